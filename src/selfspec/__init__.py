@@ -1,0 +1,37 @@
+"""selfspec: faster generation from a Hugging Face causal LM by drafting with its own layers.
+
+Quick start::
+
+    import selfspec
+    model = selfspec.load()                       # SmolLM2-135M-Instruct, built in
+    out = selfspec.generate(model, "The capital of France is", method="asd", max_new_tokens=32)
+    print(out.text, out.stats.mean_generated_length, out.stats.acceptance_rate)
+"""
+
+from .api import GenerationResult, Session, generate, stream
+from .decoding import GenerationStats
+from .errors import InvalidInputError, ModelNotFoundError, SelfspecError, UnsupportedModelError
+from .methods import METHODS
+from .models import DEFAULT_MODEL, Model, list_models, load, model_from_hf
+from .skipset import SkipSet
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "METHODS",
+    "GenerationResult",
+    "GenerationStats",
+    "InvalidInputError",
+    "Model",
+    "ModelNotFoundError",
+    "SelfspecError",
+    "Session",
+    "SkipSet",
+    "UnsupportedModelError",
+    "generate",
+    "list_models",
+    "load",
+    "model_from_hf",
+    "stream",
+]

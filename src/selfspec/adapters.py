@@ -1,0 +1,156 @@
+"""Architecture adapters: the one place that knows Hugging Face internals.
+
+An adapter exposes a causal LM as the pieces self-speculative decoding needs:
+the embedding, per-layer rotary tables, each decoder layer's *attention
+sublayer* and *MLP sublayer* as separate residual blocks, and the head (final
+norm + LM head).  The HF modules themselves do the maths; nothing is copied
+from HF modeling files.
+
+Supported ``config.model_type`` values:
+
+* ``llama``, ``mistral``, ``qwen2``, ``qwen3`` -- pre-norm blocks
+  ``h + attn(norm(h))`` and ``h + mlp(norm(h))`` (:class:`LlamaAdapter`);
+* ``gemma3_text`` -- sandwich norms around both sublayers, per-layer RoPE
+  tables and sliding-window layers (:class:`Gemma3Adapter`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedModelError
+
+RotaryTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [1, T, head_dim]
+
+
+class LlamaAdapter:
+    """Llama-shaped decoder layers (Llama, SmolLM2, Mistral, Qwen2, Qwen3)."""
+
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.config = model.config
+        self.backbone = model.model
+        self.layers = list(self.backbone.layers[: self.config.num_hidden_layers])
+        self.num_layers = len(self.layers)
+        self.windows = self._sliding_windows()
+        self.layer_types = self._layer_type_keys()
+        self._check_supported()
+        self._use_sdpa()
+
+    # -- static facts ---------------------------------------------------------
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    def _sliding_windows(self) -> list[int | None]:
+        """Per layer: the sliding attention window W (attend to the last W positions) or None."""
+        window = getattr(self.config, "sliding_window", None)
+        types = getattr(self.config, "layer_types", None)
+        if not window:
+            return [None] * self.num_layers
+        if types is None:  # Mistral-style: one window for every layer
+            return [int(window)] * self.num_layers
+        return [int(window) if t == "sliding_attention" else None for t in types[: self.num_layers]]
+
+    def _layer_type_keys(self) -> list[str]:
+        """The key under which each layer's rotary table is computed (one table for Llama)."""
+        return ["default"] * self.num_layers
+
+    def _check_supported(self) -> None:
+        layer = self.layers[0]
+        for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+            if not hasattr(layer, name):
+                raise UnsupportedModelError(f"{self.config.model_type}: decoder layer has no '{name}'")
+        if getattr(self.config, "attn_logit_softcapping", None):
+            raise UnsupportedModelError(f"{self.config.model_type}: attention logit soft-capping is not supported")
+
+    def _use_sdpa(self) -> None:
+        # Our masks are boolean [1, 1, T, K]; HF's eager attention expects additive float masks.
+        if getattr(self.config, "_attn_implementation", "sdpa") != "sdpa":
+            self.model.set_attn_implementation("sdpa")
+
+    # -- the pieces -------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.backbone.embed_tokens(input_ids)  # [1, T, H]
+
+    def rotary(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, RotaryTable]:
+        return {"default": self.backbone.rotary_emb(h, positions)}
+
+    def attention(self, i: int, h: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
+        layer = self.layers[i]
+        out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(h), position_embeddings=rope, attention_mask=mask, past_key_values=kv
+        )
+        return h + out
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.model.lm_head(self.backbone.norm(h))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class Gemma3Adapter(LlamaAdapter):
+    """Gemma 3 text models: norms before *and* after each sublayer, two RoPE bases."""
+
+    model_types = ("gemma3_text",)
+
+    def _layer_type_keys(self) -> list[str]:
+        return list(self.config.layer_types[: self.num_layers])
+
+    def _check_supported(self) -> None:
+        super()._check_supported()
+        layer = self.layers[0]
+        for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            if not hasattr(layer, name):
+                raise UnsupportedModelError(f"gemma3: decoder layer has no '{name}'")
+
+    def rotary(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, RotaryTable]:
+        return {t: self.backbone.rotary_emb(h, positions, t) for t in set(self.layer_types)}
+
+    def attention(self, i: int, h: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
+        layer = self.layers[i]
+        out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(h), position_embeddings=rope, attention_mask=mask, past_key_values=kv
+        )
+        return h + layer.post_attention_layernorm(out)
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+
+
+ADAPTERS: tuple[type[LlamaAdapter], ...] = (LlamaAdapter, Gemma3Adapter)
+SUPPORTED_MODEL_TYPES = tuple(t for a in ADAPTERS for t in a.model_types)
+
+
+def adapter_for(model: Any) -> LlamaAdapter:
+    """Pick the adapter for a loaded HF causal LM, or raise a clear error."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for cls in ADAPTERS:
+        if model_type in cls.model_types:
+            return cls(model)
+    raise UnsupportedModelError(
+        f"unsupported architecture '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )

@@ -1,0 +1,93 @@
+"""The Python API: ``generate``, ``stream`` and ``Session``.
+
+    import selfspec
+    model = selfspec.load("smollm2-135m")
+    result = selfspec.generate(model, [{"role": "user", "content": "Hi!"}], method="asd", max_new_tokens=64)
+    print(result.text, result.stats.mean_generated_length)
+
+A :class:`Session` keeps what a method learns between prompts (for instance
+Draft & Verify's confidence threshold); the module-level functions start a
+fresh one per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .decoding import Decoder, GenerationStats
+from .methods import build_policies
+from .models import Model, load
+
+Prompt = str | Sequence[dict]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+
+
+class Session:
+    """One method on one model, with its state carried across prompts."""
+
+    def __init__(self, model: Model | str, method: str = "asd", **options: Any) -> None:
+        self.model = load(model) if isinstance(model, str) else model
+        self.method = method
+        self.options = options
+        self.skip_policy, self.draft_policy = build_policies(method, options)
+        self.last_result: GenerationResult | None = None
+
+    @property
+    def last_stats(self) -> GenerationStats | None:
+        return self.last_result.stats if self.last_result else None
+
+    def _decoder(self, prompt: Prompt, max_new_tokens: int) -> Decoder:
+        return Decoder(
+            self.model,
+            self.model.encode(prompt),
+            max_new_tokens=max_new_tokens,
+            method=self.method,
+            skip_policy=self.skip_policy,
+            draft_policy=self.draft_policy,
+        )
+
+    def generate(self, prompt: Prompt, *, max_new_tokens: int = 128) -> GenerationResult:
+        decoder = self._decoder(prompt, max_new_tokens)
+        ids = [t for new in decoder for t in new]
+        self.last_result = GenerationResult(self.model.decode(ids), tuple(ids), decoder.stats)
+        return self.last_result
+
+    def stream(self, prompt: Prompt, *, max_new_tokens: int = 128) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted; ``last_result`` is set at the end."""
+        decoder = self._decoder(prompt, max_new_tokens)
+        ids: list[int] = []
+        shown = ""
+        for new in decoder:
+            ids.extend(new)
+            text = self.model.decode(ids)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
+                continue
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown) :]
+            shown = text
+        final = self.model.decode(ids)
+        self.last_result = GenerationResult(final, tuple(ids), decoder.stats)
+        if len(final) > len(shown) and final.startswith(shown):
+            yield final[len(shown) :]
+
+
+def generate(
+    model: Model | str, prompt: Prompt, method: str = "asd", *, max_new_tokens: int = 128, **options: Any
+) -> GenerationResult:
+    """Generate greedily with ``method`` (``vanilla``, ``asd``, ``static``); see ``selfspec.METHODS``."""
+    return Session(model, method, **options).generate(prompt, max_new_tokens=max_new_tokens)
+
+
+def stream(
+    model: Model | str, prompt: Prompt, method: str = "asd", *, max_new_tokens: int = 128, **options: Any
+) -> Iterator[str]:
+    """Like :func:`generate`, yielding text pieces as soon as they are accepted."""
+    yield from Session(model, method, **options).stream(prompt, max_new_tokens=max_new_tokens)

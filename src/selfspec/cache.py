@@ -1,0 +1,90 @@
+"""Preallocated per-layer KV cache with a committed length.
+
+Slots ``[0, length)`` of every layer hold the full model's keys and values of
+the accepted sequence.  A forward call writes its T new tokens at slots
+``[start, start + T)`` and attends over ``[0, start + T)``; what lies beyond
+``length`` is scratch (draft or verification entries) until :meth:`commit`.
+Rolling back is therefore just a length update, and a sublayer skipped while
+drafting simply writes nothing.
+
+The buffers are allocated on first write, from the shape of the keys the
+model produces, so the cache needs no architecture knowledge.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.length = 0
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+
+    # -- the one named rewind ------------------------------------------------
+    def commit(self, length: int) -> None:
+        """Declare slots ``[0, length)`` final; everything after is scratch."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"cache length {length} outside [0, {self.capacity}]")
+        self.length = length
+
+    def move(self, src_slots: list[int], dst_start: int) -> None:
+        """Copy entries of ``src_slots`` to ``dst_start, dst_start+1, ...`` in every layer.
+
+        Used after tree verification: the accepted path's entries are scattered
+        over the linearised tree and must become contiguous.
+        """
+        if list(src_slots) == list(range(dst_start, dst_start + len(src_slots))):
+            return
+        with torch.inference_mode():  # the buffers are inference tensors (created inside Engine.forward)
+            self._move(src_slots, dst_start)
+
+    def _move(self, src_slots: list[int], dst_start: int) -> None:
+        for buffers in (self._keys, self._values):
+            for buf in buffers:
+                if buf is not None:
+                    idx = torch.as_tensor(src_slots, device=buf.device)
+                    buf[:, :, dst_start : dst_start + len(src_slots)] = buf.index_select(2, idx)
+
+    def writer(self, start: int) -> _CacheWriter:
+        """An object with HF's ``update(k, v, layer_idx)`` protocol writing at ``start``."""
+        return _CacheWriter(self, start)
+
+    def layer(self, idx: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``[0, end)`` of one layer (for tests and tools)."""
+        k, v = self._keys[idx], self._values[idx]
+        assert k is not None and v is not None, f"layer {idx} was never written"
+        return k[:, :, :end], v[:, :, :end]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._keys + self._values if b is not None)
+
+    def _write(self, layer_idx: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        end = start + k.shape[2]  # k: [B, H, T, D]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: need {end} slots, have {self.capacity}")
+        kb = self._keys[layer_idx]
+        if kb is None:
+            shape_k = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            shape_v = (v.shape[0], v.shape[1], self.capacity, v.shape[3])
+            kb = self._keys[layer_idx] = torch.zeros(shape_k, dtype=k.dtype, device=k.device)
+            self._values[layer_idx] = torch.zeros(shape_v, dtype=v.dtype, device=v.device)
+        vb = self._values[layer_idx]
+        kb[:, :, start:end] = k
+        vb[:, :, start:end] = v
+        return kb[:, :, :end], vb[:, :, :end]
+
+
+class _CacheWriter:
+    """Per-call view handed to HF attention modules as ``past_key_values``."""
+
+    __slots__ = ("_cache", "_start")
+
+    def __init__(self, cache: KVCache, start: int) -> None:
+        self._cache = cache
+        self._start = start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self._cache._write(layer_idx, self._start, key_states, value_states)

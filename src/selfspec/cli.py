@@ -1,0 +1,193 @@
+"""Command line: ``selfspec generate | models | bench``.
+
+    selfspec models
+    selfspec generate --prompt "Why is the sky blue?" --method asd --compare
+    selfspec generate --model gemma3-270m --raw --prompt "def fib(n):" --method static --skip-set '{"mlp": [4, 8]}'
+
+Errors that are the user's to fix print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import InvalidInputError, SelfspecError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+
+
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("method options (defaults: the papers' values)")
+    g.add_argument("--alpha", type=float, help="ASD cosine threshold (0.985)")
+    g.add_argument("--m", type=int, help="ASD rule 1: skip every m-th layer (3)")
+    g.add_argument("--n", type=int, help="ASD rule 2: keep the last n layers (2)")
+    g.add_argument("--variant", help="ASD ablation: admg, cs, cs+r2, r1+r2")
+    g.add_argument("--skip-set", help="static: skip set JSON file or literal")
+    g.add_argument("--max-draft", type=int, help="most draft tokens per round (12)")
+    g.add_argument("--draft-length", type=int, help="fixed draft length instead of the adaptive exit")
+    g.add_argument("--gamma", type=float, help="initial confidence threshold of the adaptive exit (0.6)")
+
+
+def _method_options(args: argparse.Namespace) -> dict:
+    names = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma")
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfspec", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text with one method (optionally compared with vanilla)")
+    _add_model_args(p)
+    p.add_argument("--method", default="asd", help="vanilla, asd or static (default asd)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    tmpl = p.add_mutually_exclusive_group()
+    tmpl.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    tmpl.add_argument("--chat", action="store_true", help="apply the chat template (default when the model has one)")
+    p.add_argument("--compare", action="store_true", help="also run vanilla; report speedup and identity")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
+    _add_method_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("models", help="list the built-in models and whether they are installed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    try:
+        from .bench.cli import add_bench_parser
+    except ImportError:  # pragma: no cover - the harness ships with the package
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def _read_prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise InvalidInputError(f"prompt file not found: {args.prompt_file}")
+        text = args.prompt_file.read_text(encoding="utf-8")
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        raise InvalidInputError("give a prompt with --prompt TEXT or --prompt-file PATH")
+    if not text.strip():
+        raise InvalidInputError("the prompt is empty")
+    return text
+
+
+def _as_prompt(text: str, args: argparse.Namespace, model) -> str | list[dict]:
+    """Chat messages when the model has a chat template (unless --raw), else raw text."""
+    if args.chat and not model.has_chat_template:
+        raise InvalidInputError(f"model '{model.name}' has no chat template; drop --chat")
+    use_chat = args.chat or (not args.raw and model.has_chat_template)
+    return [{"role": "user", "content": text}] if use_chat else text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .api import Session
+    from .methods import build_policies
+    from .models import load
+
+    options = _method_options(args)
+    build_policies(args.method, options)  # validate before the (slow) model load
+    if args.max_new_tokens < 1:
+        raise InvalidInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    text = _read_prompt_text(args)
+    model = load(args.model, device=args.device, dtype=args.dtype)
+    prompt = _as_prompt(text, args, model)
+    session = Session(model, args.method, **options)
+    if args.compare:
+        # warm-up so that neither run pays one-off costs (allocator, kernel selection)
+        Session(model, "vanilla").generate(prompt, max_new_tokens=4)
+    if args.json:
+        result = session.generate(prompt, max_new_tokens=args.max_new_tokens)
+        out = {"text": result.text, "token_ids": list(result.token_ids), "stats": result.stats.to_dict()}
+        if args.compare:
+            base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens)
+            out["vanilla_stats"] = base.stats.to_dict()
+            out["speedup"] = base.stats.total_time / result.stats.total_time
+            out["identical"] = base.token_ids == result.token_ids
+        print(json.dumps(out))
+        return 0
+
+    for piece in session.stream(prompt, max_new_tokens=args.max_new_tokens):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    stats = session.last_stats
+    base = None
+    if args.compare:
+        base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens)
+    identical = None if base is None else base.token_ids == session.last_result.token_ids
+    _print_stats(stats, None if base is None else base.stats, identical)
+    return 0
+
+
+def _print_stats(stats, base, identical) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{stats.method}: {stats.new_tokens} new tokens, prompt {stats.prompt_tokens} tokens")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("tokens/s", f"{stats.tokens_per_second:.1f}"),
+        ("ms/token", f"{stats.ms_per_token:.1f}"),
+        ("full-model forwards", str(stats.forwards)),
+        ("M (tokens per forward)", f"{stats.mean_generated_length:.2f}"),
+        ("drafted / accepted", f"{stats.drafted} / {stats.accepted}"),
+        ("acceptance rate", f"{stats.acceptance_rate:.2f}"),
+        ("prefill / draft / verify s", f"{stats.prefill_time:.2f} / {stats.draft_time:.2f} / {stats.verify_time:.2f}"),
+    ]
+    if stats.skip_set is not None:
+        rows.append(("skipped attention", str(stats.skip_set["attention"])))
+        rows.append(("skipped MLP", str(stats.skip_set["mlp"])))
+    if base is not None:
+        rows.append(("vanilla ms/token", f"{base.ms_per_token:.1f}"))
+        rows.append(("speedup vs vanilla", f"{base.total_time / stats.total_time:.2f}x"))
+        rows.append(("identical to vanilla", "yes" if identical else "NO"))
+    for r in rows:
+        table.add_row(*r)
+    Console(stderr=True).print(table)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .models import list_models
+
+    models = list_models()
+    if args.json:
+        print(json.dumps(models))
+        return 0
+    for m in models:
+        state = "installed" if m["installed"] else f"not installed ({m['install']})"
+        conv = ", converted" if m["converted"] else ""
+        print(f"{m['name']:14s} {state}{conv}\n{'':14s} {m['description']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SelfspecError as exc:
+        print(f"selfspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("selfspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

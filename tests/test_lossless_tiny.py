@@ -1,0 +1,89 @@
+"""Greedy output of every method equals vanilla's and transformers' on tiny random models of each architecture."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy
+
+import selfspec
+
+PROMPT = "The quick brown fox jumps over the lazy dog; sliding windows must hold over long prompts too."
+
+
+def test_vanilla_matches_transformers_generate(tiny):
+    ids = tiny.encode(PROMPT)
+    assert len(ids) > 24, "the prompt must be longer than the tiny models' sliding windows"
+    ours = selfspec.generate(tiny, PROMPT, "vanilla", max_new_tokens=48)
+    assert list(ours.token_ids) == hf_greedy(tiny, ids, 48)
+    assert ours.stats.mean_generated_length == 1.0
+    assert ours.stats.forwards == ours.stats.new_tokens
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        ("asd", {}),
+        ("asd", {"alpha": 0.5}),  # skips nearly every attention sublayer: many rejections
+        ("asd", {"variant": "cs"}),
+        ("asd", {"variant": "cs+r2"}),
+        ("asd", {"variant": "r1+r2", "m": 2}),
+        ("asd", {"draft_length": 3}),
+        ("static", {"skip_set": {"attention": [1, 2, 3], "mlp": [2, 4]}}),
+        ("static", {"skip_set": {"attention": [0, 1, 2, 3, 4], "mlp": [0, 1, 2, 3, 4]}, "max_draft": 5}),
+        ("static", {"skip_set": {"attention": [], "mlp": []}, "draft_length": 4}),  # draft == full model
+    ],
+)
+def test_speculative_equals_vanilla(tiny, method, options):
+    base = selfspec.generate(tiny, PROMPT, "vanilla", max_new_tokens=40)
+    spec = selfspec.generate(tiny, PROMPT, method, max_new_tokens=40, **options)
+    assert spec.token_ids == base.token_ids
+    s = spec.stats
+    assert s.new_tokens == len(spec.token_ids) == len(base.token_ids)
+    assert s.drafted > 0 and 0 <= s.accepted <= s.drafted
+    assert sum(s.accept_lengths) == s.accepted
+    # every verification yields its accepted drafts plus one bonus token (the first token comes from prefill)
+    assert s.new_tokens <= 1 + s.accepted + (s.forwards - 1)
+
+
+def test_empty_skip_set_accepts_every_draft(tiny_llama):
+    """With nothing skipped the draft *is* the full model: every drafted token must be accepted."""
+    out = selfspec.generate(tiny_llama, PROMPT, "static", max_new_tokens=30, skip_set={"attention": [], "mlp": []},
+                            draft_length=4)
+    assert out.stats.drafted > 0
+    assert out.stats.accepted == out.stats.drafted
+
+
+def test_chat_prompt_and_stream_agree(tiny_llama):
+    messages = [{"role": "user", "content": "Say something about foxes."}]
+    result = selfspec.generate(tiny_llama, messages, "asd", max_new_tokens=25)
+    pieces = list(selfspec.stream(tiny_llama, messages, "asd", max_new_tokens=25))
+    assert "".join(pieces) == result.text
+    assert len(pieces) >= 2
+
+
+def test_stops_at_eos():
+    from conftest import tiny_model
+
+    model = tiny_model("llama", seed=3)
+    eos = min(model.eos_token_ids)
+    with_bias = model.hf.lm_head.weight.clone()
+    try:
+        # make EOS the most likely token once the context passes a few tokens
+        model.hf.lm_head.weight.data[eos] = model.hf.lm_head.weight.data.mean(0) * 0 + 5.0
+        for method in ("vanilla", "asd"):
+            out = selfspec.generate(model, PROMPT, method, max_new_tokens=20)
+            assert out.token_ids[-1] == eos
+            assert eos not in out.token_ids[:-1]
+            assert out.stats.stop_reason == "eos"
+    finally:
+        model.hf.lm_head.weight.data.copy_(with_bias)
+
+
+def test_session_carries_draft_threshold_across_prompts(tiny_llama):
+    session = selfspec.Session(tiny_llama, "asd")
+    gamma0 = session.draft_policy.gamma
+    session.generate(PROMPT, max_new_tokens=30)
+    gamma1 = session.draft_policy.gamma
+    session.generate("Another prompt about something else entirely.", max_new_tokens=30)
+    assert gamma1 != gamma0
+    assert session.draft_policy.gamma != gamma1

@@ -1,0 +1,65 @@
+"""The central invariant on the real built-in models: greedy output of every method equals vanilla's,
+and vanilla equals transformers' own ``model.generate(do_sample=False)``.
+
+These load SmolLM2-135M-Instruct and Gemma 3 270M (converted once from their GGUF files and cached).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy
+
+import selfspec
+from selfspec.datasets import load_prompts
+
+pytestmark = pytest.mark.slow
+
+NEW = 48
+
+
+def _prompts(chat: bool):
+    return [
+        load_prompts("xsum", limit=1, chat=chat)[0],
+        load_prompts("humaneval", limit=1, offset=7, chat=chat)[0],
+        load_prompts("mtbench", limit=1, offset=3, chat=chat)[0],
+    ]
+
+
+METHODS = [
+    ("asd", {}),  # the paper's values
+    ("asd", {"alpha": 0.999, "m": 5}),
+    ("asd", {"variant": "r1+r2", "m": 4, "draft_length": 6}),
+    ("static", {"skip_set": {"attention": [3, 6, 9, 12, 15, 18, 21], "mlp": [4, 8, 12, 16, 20]}}),
+]
+
+
+@pytest.mark.parametrize("item", _prompts(chat=True), ids=lambda p: p.task)
+def test_smollm2_all_methods_identical(smollm2, item):
+    ids = smollm2.encode(item.prompt)
+    base = selfspec.generate(smollm2, item.prompt, "vanilla", max_new_tokens=NEW)
+    assert list(base.token_ids) == hf_greedy(smollm2, ids, NEW)
+    for method, options in METHODS:
+        out = selfspec.generate(smollm2, item.prompt, method, max_new_tokens=NEW, **options)
+        assert out.token_ids == base.token_ids, (method, options)
+        assert out.stats.drafted > 0
+
+
+def test_gemma3_long_prompt_all_methods_identical(gemma3):
+    """A prompt longer than Gemma 3's 512-token sliding window, raw text (base model)."""
+    items = load_prompts("xsum", limit=200, chat=False)
+    item = max(items, key=lambda p: len(p.prompt))
+    ids = gemma3.encode(item.prompt)
+    assert len(ids) > 600
+    base = selfspec.generate(gemma3, item.prompt, "vanilla", max_new_tokens=32)
+    assert list(base.token_ids) == hf_greedy(gemma3, ids, 32)
+    for method, options in [("asd", {}), ("static", {"skip_set": {"attention": [2, 5, 8, 11], "mlp": [3, 9]}})]:
+        out = selfspec.generate(gemma3, item.prompt, method, max_new_tokens=32, **options)
+        assert out.token_ids == base.token_ids, (method, options)
+
+
+def test_gemma3_short_code_prompt(gemma3):
+    item = load_prompts("humaneval", limit=1, chat=False)[0]
+    base = selfspec.generate(gemma3, item.prompt, "vanilla", max_new_tokens=32)
+    assert list(base.token_ids) == hf_greedy(gemma3, gemma3.encode(item.prompt), 32)
+    out = selfspec.generate(gemma3, item.prompt, "asd", max_new_tokens=32, alpha=0.995)
+    assert out.token_ids == base.token_ids
