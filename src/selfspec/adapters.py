@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import kernels
 from .errors import UnsupportedModelError
 
 RotaryTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [1, T, head_dim]
@@ -40,6 +41,7 @@ class LlamaAdapter:
         self.layer_types = self._layer_type_keys()
         self._check_supported()
         self._use_sdpa()
+        kernels.install(model)  # few-token verification passes cost far less on CPU (see kernels.py)
 
     # -- static facts ---------------------------------------------------------
     @property
