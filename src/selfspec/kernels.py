@@ -80,7 +80,7 @@ def _measure() -> None:  # pragma: no cover - a manual tool
             for _ in range(5):
                 for name in times:
                     t = time.perf_counter()
-                    for w, x in zip(weights, xs):
+                    for w, x in zip(weights, xs, strict=True):
                         if name == "F.linear":
                             F.linear(x, w)
                         else:

@@ -1,0 +1,169 @@
+"""``selfspec bench``: the benchmark subcommand (argparse only; the work is in runner/summary/report).
+
+    selfspec bench --model smollm2-135m --dataset xsum --limit 10 --max-new-tokens 128 \\
+        --methods "vanilla,asd,asd:alpha=0.995:m=5,hf,hf-lookup"
+    selfspec bench --stream xsum,humaneval,mtbench --limit 5 --methods asd --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidInputError
+
+METHODS_SYNTAX = """\
+method specs (--methods):
+  comma-separated; options follow the name, each introduced by ':' as key=value
+  (values read as int, float, true/false, else text); a bare value sets the
+  method's main option; '@label' at the end names it in tables and files.
+
+    vanilla                     our plain decoding: the baseline (always added)
+    asd                         ASD with the paper's values
+    asd:alpha=0.995:m=5@strict  ASD with options, reported as 'strict'
+    static:skip.json            a fixed skip set from a JSON file (= static:skip_set=skip.json)
+    hf                          transformers generate(), greedy
+    hf-lookup:tokens=10         transformers prompt lookup decoding
+    hf-early-exit:8             transformers assistant_early_exit with 8 layers (default L/2)
+
+datasets: xsum, humaneval, mtbench, or a JSONL file ({"prompt": ...} or
+{"messages": [...]} per line); --stream takes a comma-separated list of them
+and runs --limit prompts of each, task after task, with the same sessions.
+
+outputs (--out DIR): results.jsonl, summary.json, report.md, speedup.png,
+layers.png (+ stream.png). Exit status 1 when a method is LOSSY (an output
+differs from vanilla's), 2 on invalid input.
+"""
+
+
+def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on the ``selfspec`` subparsers."""
+    from .spec import methods_help
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark methods against vanilla and transformers on a dataset",
+        description="Benchmark decoding methods on the same prompts: speedup, M, acceptance, memory, lossless. "
+        + methods_help(),
+        epilog=METHODS_SYNTAX,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--dataset", help="xsum, humaneval, mtbench or PATH.jsonl (default xsum)")
+    src.add_argument("--stream", help="domain-shift stream: comma-separated datasets, e.g. xsum,humaneval,mtbench")
+    p.add_argument("--limit", type=int, default=10, help="prompts (per task with --stream; default 10)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--methods", default="vanilla,asd", help='method specs, e.g. "vanilla,asd,hf" (see below)')
+    p.add_argument("--out", type=Path, help="output directory (default runs/bench-<timestamp>)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per method, discarded (default 1)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads for the whole run (default: torch's)")
+    p.add_argument("--window", type=int, default=5, help="rolling window of the stream acceptance plot (default 5)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The exact command, rebuilt from the parsed arguments (defaults made explicit)."""
+    argv = ["selfspec", "bench", "--model", args.model]
+    argv += ["--stream", args.stream] if args.stream else ["--dataset", args.dataset or "xsum"]
+    argv += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods]
+    argv += ["--warmup", str(args.warmup)]
+    if args.threads is not None:
+        argv += ["--threads", str(args.threads)]
+    if args.device != "cpu":
+        argv += ["--device", args.device]
+    if args.dtype != "float32":
+        argv += ["--dtype", args.dtype]
+    return shlex.join(argv)
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    """Validate everything that needs no model; returns the dataset names."""
+    for name, value, low in (
+        ("--limit", args.limit, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--warmup", args.warmup, 0),
+        ("--window", args.window, 1),
+    ):
+        if value < low:
+            raise InvalidInputError(f"{name} must be >= {low}, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise InvalidInputError(f"--threads must be >= 1, got {args.threads}")
+    names = [s.strip() for s in args.stream.split(",") if s.strip()] if args.stream else [args.dataset or "xsum"]
+    if not names:
+        raise InvalidInputError("--stream names no dataset")
+    from ..datasets import load_prompts
+
+    for name in names:
+        load_prompts(name, limit=1, chat=False)  # unknown name, missing package or bad JSONL: fail before loading
+    return names
+
+
+def _load_model(args: argparse.Namespace):
+    from ..models import load
+
+    return load(args.model, device=args.device, dtype=args.dtype)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..datasets import load_prompts
+    from .report import dumps, print_summary, warn_lossy, write_outputs
+    from .runner import run_benchmark
+    from .spec import parse_methods
+    from .summary import summarize
+    from .system import machine_info
+
+    methods = parse_methods(args.methods)  # validated before the model loads
+    names = _check_args(args)
+    started = datetime.now().astimezone()
+    out_dir = args.out or Path("runs") / f"bench-{started.strftime('%Y%m%d-%H%M%S')}"
+    console = Console(stderr=True)
+
+    model = _load_model(args)
+    prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=model.has_chat_template)]
+    console.print(
+        f"selfspec bench: {model.name}, {len(prompts)} prompts x {len(methods)} methods "
+        f"({', '.join(m.label for m in methods)}), {args.max_new_tokens} new tokens",
+        highlight=False,
+    )
+    result = run_benchmark(
+        model,
+        prompts,
+        methods,
+        args.max_new_tokens,
+        warmup=args.warmup,
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+    meta = {
+        "dataset": None if args.stream else names[0],
+        "stream": names if args.stream else None,
+        "limit": args.limit,
+        "device": args.device,
+        "dtype": args.dtype,
+        "date": started.isoformat(timespec="seconds"),
+        "command": _command_line(args),
+        "machine": machine_info(),
+        "out_dir": str(out_dir),
+    }
+    summary = summarize(result, meta=meta, stream=bool(args.stream), window=args.window)
+    paths = write_outputs(result, summary, out_dir)
+
+    print_summary(summary, console)
+    warn_lossy(summary, console)
+    console.print(f"outputs: {out_dir}/ ({', '.join(p.name for p in paths.values())})", highlight=False)
+    if args.json:
+        sys.stdout.write(dumps(summary.to_dict()) + "\n")
+        sys.stdout.flush()
+    return 1 if summary.lossy else 0

@@ -1,0 +1,272 @@
+"""Run a benchmark: every method on every prompt, fairly timed.
+
+    from selfspec.bench import run_benchmark
+    result = run_benchmark(model, prompts, "vanilla,asd,hf", max_new_tokens=64)
+
+Fairness rules, as in gpt-fast's benchmark loop:
+
+1. warm-up: the first ``warmup`` prompts run once per method and are discarded
+   (throw-away sessions, so no method state is learned from them);
+2. interleaving: ``for prompt: for method:`` so that a slow phase of the machine
+   hits every method alike;
+3. one torch thread setting for all methods (recorded);
+4. one :class:`~selfspec.Session` per method for the whole run, so what a
+   method learns (Draft & Verify's gamma) carries over between prompts, as in
+   the papers;
+5. the time of a record is the wall time of the whole call (tokenisation
+   included) for ours and the peers alike.
+
+Every output is compared with vanilla's on the same prompt: greedy decoding
+must be token-identical, or the method is lossy.  A method that raises is
+recorded with its error and the run goes on (a peer that fails once is
+skipped for the remaining prompts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..api import Session
+from ..datasets import PromptItem
+from ..decoding import check_lengths
+from ..errors import InvalidInputError
+from ..models import Model
+from .peers import check_peer, run_peer
+from .spec import BenchMethod, baseline_of, parse_methods, with_baseline
+from .system import PeakMemory
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One method on one prompt."""
+
+    index: int  # position of the prompt in the run (stream order)
+    prompt_id: str
+    task: str
+    method: str  # label
+    method_name: str
+    token_ids: tuple[int, ...]
+    text: str
+    stats: dict[str, Any] | None  # GenerationStats.to_dict(); None on error
+    time: float  # wall seconds of the whole call
+    peak_rss_mb: float | None
+    rss_delta_mb: float | None
+    identical_to_vanilla: bool | None  # None when either run failed
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["token_ids"] = list(self.token_ids)
+        return d
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    model: str
+    num_layers: int
+    methods: tuple[BenchMethod, ...]
+    prompts: tuple[PromptItem, ...]
+    records: tuple[PromptRecord, ...]
+    max_new_tokens: int
+    warmup: int
+    torch_threads: int
+    memory_probe: str
+    # per prompt, the prefill's per-sublayer cosine when no method measured it (None otherwise)
+    cosine: tuple[dict[str, list[float]], ...] | None = None
+
+    @property
+    def baseline(self) -> BenchMethod:
+        return baseline_of(self.methods)
+
+    def by_method(self, label: str) -> list[PromptRecord]:
+        return [r for r in self.records if r.method == label]
+
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+class _Runner:
+    def __init__(self, model: Model, methods: Sequence[BenchMethod], max_new_tokens: int) -> None:
+        self.model = model
+        self.methods = methods
+        self.max_new_tokens = max_new_tokens
+        self.memory = PeakMemory()
+
+    def session(self, method: BenchMethod) -> Session:
+        return Session(self.model, method.name, **method.options)
+
+    def call(self, method: BenchMethod, session: Session | None, prompt: Any):
+        """(token ids, text, stats dict) of one generation."""
+        if method.is_peer:
+            ids = self.model.encode(prompt)
+            check_lengths(self.model, len(ids), self.max_new_tokens)
+            tokens, stats = run_peer(self.model, method, ids, self.max_new_tokens)
+            return tuple(tokens), self.model.decode(tokens), stats.to_dict()
+        assert session is not None
+        result = session.generate(prompt, max_new_tokens=self.max_new_tokens)
+        return tuple(result.token_ids), result.text, result.stats.to_dict()
+
+    def record(self, index: int, item: PromptItem, method: BenchMethod, session: Session | None) -> PromptRecord:
+        gc.collect()  # not inside the timed region: a collection there would bill one method at random
+        self.memory.start()
+        t0 = time.perf_counter()
+        try:
+            tokens, text, stats = self.call(method, session, item.prompt)
+            error = None
+        except Exception as exc:  # a failing method must not end the whole run
+            tokens, text, stats = (), "", None
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+        elapsed = time.perf_counter() - t0
+        mem = self.memory.stop()
+        return PromptRecord(
+            index=index,
+            prompt_id=item.id,
+            task=item.task,
+            method=method.label,
+            method_name=method.name,
+            token_ids=tokens,
+            text=text,
+            stats=stats,
+            time=elapsed,
+            peak_rss_mb=mem.peak_mb,
+            rss_delta_mb=mem.delta_mb,
+            identical_to_vanilla=None,
+            error=error,
+        )
+
+
+def run_benchmark(
+    model: Model,
+    prompts: Sequence[PromptItem],
+    methods: str | Sequence[BenchMethod | str],
+    max_new_tokens: int,
+    *,
+    warmup: int = 1,
+    threads: int | None = None,
+    progress: bool = False,
+    measure_cosine: bool = True,
+    on_progress: ProgressFn | None = None,
+) -> BenchResult:
+    """Run ``methods`` (a ``--methods`` string or a list) on ``prompts``; vanilla is added if absent.
+
+    ``threads`` sets ``torch.set_num_threads`` for the whole run (None keeps
+    torch's default; either way it is recorded).  ``progress`` shows a tqdm
+    bar on stderr; ``on_progress(done, total, label)`` is called after every
+    generation.  With ``measure_cosine`` and no method that measured the
+    per-sublayer cosine itself, one untimed prefill per prompt measures it.
+    """
+    specs = parse_methods(methods) if isinstance(methods, str) else with_baseline(methods)
+    if not prompts:
+        raise InvalidInputError("no prompts to benchmark")
+    if max_new_tokens < 1:
+        raise InvalidInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for m in specs:
+        if m.is_peer:
+            check_peer(model, m)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    runner = _Runner(model, specs, max_new_tokens)
+    baseline = baseline_of(specs)
+
+    total = len(prompts) * len(specs)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, file=sys.stderr, unit="gen", dynamic_ncols=True, leave=True)
+
+    # 1. warm-up, discarded
+    for i, item in enumerate(prompts[: max(0, warmup)]):
+        for m in specs:
+            if bar is not None:
+                bar.set_description(f"warm-up {i + 1}/{min(warmup, len(prompts))} {m.label}")
+            runner.record(-1, item, m, None if m.is_peer else runner.session(m))
+
+    # 2. the timed run: same sessions throughout, methods interleaved prompt by prompt
+    sessions = {m.label: runner.session(m) for m in specs if not m.is_peer}
+    failed_peers: dict[str, str] = {}
+    records: list[PromptRecord] = []
+    done = 0
+    for i, item in enumerate(prompts):
+        row: list[PromptRecord] = []
+        for m in specs:
+            if bar is not None:
+                bar.set_description(f"prompt {i + 1}/{len(prompts)} {m.label}")
+            if m.label in failed_peers:
+                rec = _skipped(i, item, m, failed_peers[m.label])
+            else:
+                rec = runner.record(i, item, m, sessions.get(m.label))
+                if rec.error is not None and m.is_peer:
+                    failed_peers[m.label] = rec.error
+            row.append(rec)
+            done += 1
+            if bar is not None:
+                bar.update(1)
+            if on_progress is not None:
+                on_progress(done, total, m.label)
+        base = next(r for r in row if r.method == baseline.label)
+        for rec in row:
+            same = None if not (rec.ok and base.ok) else rec.token_ids == base.token_ids
+            records.append(dataclasses.replace(rec, identical_to_vanilla=same))
+    if bar is not None:
+        bar.close()
+
+    cosine = None
+    if measure_cosine and not any(r.stats and r.stats.get("cosine") for r in records):
+        cosine = tuple(prefill_cosine(model, item.prompt) for item in prompts)
+    return BenchResult(
+        model=model.name,
+        num_layers=model.num_layers,
+        methods=tuple(specs),
+        prompts=tuple(prompts),
+        records=tuple(records),
+        max_new_tokens=max_new_tokens,
+        warmup=warmup,
+        torch_threads=torch.get_num_threads(),
+        memory_probe=runner.memory.method,
+        cosine=cosine,
+    )
+
+
+def _skipped(index: int, item: PromptItem, method: BenchMethod, error: str) -> PromptRecord:
+    return PromptRecord(
+        index,
+        item.id,
+        item.task,
+        method.label,
+        method.name,
+        (),
+        "",
+        None,
+        0.0,
+        None,
+        None,
+        None,
+        f"skipped after an earlier failure ({error})",
+    )
+
+
+def prefill_cosine(model: Model, prompt: Any) -> dict[str, list[float]] | None:
+    """Per-sublayer cosine of one full-model prefill (untimed analysis; None if the prompt is unusable)."""
+    try:
+        ids = model.encode(prompt)
+        check_lengths(model, len(ids), 1)
+    except Exception:
+        return None
+    engine = model.engine
+    cache = engine.new_cache(len(ids) + 1)
+    out: list = []
+    engine.forward(cache, torch.tensor(ids, dtype=torch.long, device=engine.device), 0, last_only=True, cosine_out=out)
+    return {"attention": list(out[0].attention), "mlp": list(out[0].mlp)}

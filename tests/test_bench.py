@@ -1,0 +1,326 @@
+"""The benchmark harness on a tiny model: specs, fair runs, summaries, files, the CLI, and lossy detection."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_model
+
+from selfspec import InvalidInputError
+from selfspec.bench import cli as bench_cli
+from selfspec.bench import parse_methods, parse_spec, run_benchmark, summarize, write_outputs
+from selfspec.bench import runner as bench_runner
+from selfspec.bench.summary import expected_speedup
+from selfspec.datasets import PromptItem
+from selfspec.skipset import SkipSet
+
+PROMPTS = [
+    PromptItem("a", "prose", "The quick brown fox jumps over the lazy dog and runs far away."),
+    PromptItem("b", "prose", "Once upon a time, in a land of sliding windows, a cache grew long."),
+    PromptItem("c", "code", "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"),
+]
+METHODS = "asd,asd:alpha=0.5:draft_length=3@asd-wide,hf,hf-lookup:tokens=4,hf-early-exit:3"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def run(model):
+    return run_benchmark(model, PROMPTS, METHODS, max_new_tokens=24, warmup=1)
+
+
+# -- method specs ---------------------------------------------------------------------------
+
+
+def test_parse_spec_options_positional_and_label(tmp_path):
+    m = parse_spec("asd:alpha=0.99:m=4@strict")
+    assert (m.name, m.options, m.label) == ("asd", {"alpha": 0.99, "m": 4}, "strict")
+    assert parse_spec("hf-early-exit:8").options == {"layer": 8}
+    assert parse_spec("hf-lookup").label == "hf-lookup"
+    path = tmp_path / "7.json"
+    SkipSet(attention=frozenset({1}), mlp=frozenset()).save(path)
+    s = parse_spec(f"static:{path}")
+    assert s.options == {"skip_set": str(path)}  # a file name stays text
+
+
+def test_parse_methods_adds_the_baseline_first():
+    labels = [m.label for m in parse_methods("asd,hf")]
+    assert labels == ["vanilla", "asd", "hf"]
+    assert [m.label for m in parse_methods("hf,vanilla")] == ["hf", "vanilla"]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nope", "unknown method 'nope'"),
+        ("asd:beta=1", "no option(s) beta"),
+        ("asd:0.9", "key=value"),
+        ("asd::m=3", "empty option"),
+        ("asd:m=3:m=4", "given twice"),
+        ("asd:alpha=x", "bad option value"),
+        ("hf-lookup:tokens=0", "positive integer"),
+        ("hf:layer=3", "no option(s) layer"),
+        ("asd@", "empty label"),
+        ("asd,asd", "appears twice"),
+        ("", "names no method"),
+    ],
+)
+def test_bad_specs_fail_before_any_model_loads(spec, message):
+    with pytest.raises(InvalidInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_methods(spec)
+
+
+def test_early_exit_layer_is_checked_against_the_model(model):
+    with pytest.raises(InvalidInputError, match="layer must be in 1..5"):
+        run_benchmark(model, PROMPTS[:1], "hf-early-exit:6", max_new_tokens=4)
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def test_every_method_runs_every_prompt_interleaved(run):
+    labels = ["vanilla", "asd", "asd-wide", "hf", "hf-lookup:tokens=4", "hf-early-exit:layer=3"]
+    assert [m.label for m in run.methods] == labels
+    assert [(r.index, r.method) for r in run.records] == [(i, m) for i in range(3) for m in labels]
+    assert all(r.ok for r in run.records), [r.error for r in run.records if not r.ok]
+
+
+def test_all_methods_are_lossless_and_match_transformers(run):
+    for i in range(len(PROMPTS)):
+        row = {r.method: r for r in run.records if r.index == i}
+        vanilla = row["vanilla"].token_ids
+        assert len(vanilla) > 0
+        for rec in row.values():
+            assert rec.token_ids == vanilla, rec.method
+            assert rec.identical_to_vanilla is True
+
+
+def test_peer_statistics_come_from_hooks(run):
+    for rec in run.by_method("hf"):
+        s = rec.stats
+        assert s["forwards"] == s["new_tokens"] and s["drafted"] == 0  # plain generate: one forward per token
+    for rec in run.by_method("hf-early-exit:layer=3"):
+        s = rec.stats
+        assert s["draft_forwards"] > 0 and s["drafted"] > 0
+        assert s["forwards"] < s["new_tokens"] + 1
+        assert s["skip_set"]["early_exit"] == 3 and s["skip_set"]["mlp"] == [3, 4, 5]
+        assert 0 <= s["accepted"] <= s["drafted"]
+
+
+def test_summary_definitions(run):
+    summary = summarize(run)
+    assert summary.lossy == () and summary.failed == ()
+    v = summary.method("vanilla")
+    assert v.speedup == pytest.approx(1.0) and v.M == pytest.approx(1.0) and v.acceptance_rate is None
+    a = summary.method("asd-wide")
+    recs = run.by_method("asd-wide")
+    assert a.new_tokens == sum(r.stats["new_tokens"] for r in recs)
+    assert a.M == pytest.approx(a.new_tokens / sum(r.stats["forwards"] for r in recs))
+    assert a.acceptance_rate == pytest.approx(a.accepted / a.drafted)
+    base_time = sum(r.time for r in run.by_method("vanilla"))
+    assert a.speedup == pytest.approx(base_time / sum(r.time for r in recs))
+    hf_time = sum(r.time for r in run.by_method("hf"))
+    assert a.speedup_vs_hf == pytest.approx(hf_time / sum(r.time for r in recs))
+    assert a.expected_speedup == pytest.approx(expected_speedup(a.M, a.acceptance_rate, a.c))
+    assert sum(a.time_shares.values()) == pytest.approx(1.0)
+    assert a.lossless is True and a.status == "ok"
+    assert a.skip_frequency is not None and len(a.skip_frequency["mlp"]) == run.num_layers
+    assert a.peak_rss_mb is not None and a.peak_rss_mb > 0
+    assert set(summary.by_task) == {"prose", "code"}  # two tasks: per-task rows too
+    assert summary.cosine is not None and len(summary.cosine["attention"]) == run.num_layers
+
+
+def test_expected_speedup_eq6():
+    assert expected_speedup(1.0, 0.5, 0.3) == pytest.approx(1.0)  # nothing gained: one token per forward
+    assert expected_speedup(3.0, 1.0, 0.0) == pytest.approx(3.0)  # free drafts, all accepted: M
+    assert expected_speedup(3.0, 0.8, 0.5) == pytest.approx(2.4 / 1.8)
+
+
+def test_outputs_are_written(run, tmp_path):
+    summary = summarize(run, stream=True, window=2)
+    paths = write_outputs(run, summary, tmp_path / "out")
+    assert {p.name for p in paths.values()} == {
+        "results.jsonl",
+        "summary.json",
+        "report.md",
+        "speedup.png",
+        "layers.png",
+        "stream.png",
+    }
+    lines = paths["results"].read_text().splitlines()
+    assert len(lines) == len(run.records)
+    assert json.loads(lines[0])["method"] == "vanilla"
+    data = json.loads(paths["summary"].read_text())
+    assert data["lossless"] is True and [m["label"] for m in data["methods"]][0] == "vanilla"
+    assert set(data["stream"]["rolling"]) == {"asd", "asd-wide", "hf-lookup:tokens=4", "hf-early-exit:layer=3"}
+    report = paths["report"].read_text()
+    assert "| asd-wide |" in report and "LOSSY" not in report
+    for png in ("speedup", "layers", "stream"):
+        assert paths[png].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- lossy methods are caught ---------------------------------------------------------------
+
+
+def _corrupt(monkeypatch, label: str) -> None:
+    """Make ``label`` emit one wrong token per prompt, as a buggy acceptance rule would."""
+    real_call = bench_runner._Runner.call
+
+    def call(self, method, session, prompt):
+        tokens, text, stats = real_call(self, method, session, prompt)
+        if method.label == label and tokens:
+            k = len(tokens) // 2
+            tokens = tokens[:k] + ((tokens[k] + 1) % self.model.hf.config.vocab_size,) + tokens[k + 1 :]
+        return tokens, text, stats
+
+    monkeypatch.setattr(bench_runner._Runner, "call", call)
+
+
+def test_a_lossy_method_is_flagged(model, monkeypatch, tmp_path):
+    _corrupt(monkeypatch, "broken")
+    result = run_benchmark(model, PROMPTS[:2], "asd@broken,asd", max_new_tokens=16, warmup=0)
+    summary = summarize(result)
+    assert summary.lossy == ("broken",)
+    broken = summary.method("broken")
+    assert broken.lossless is False and broken.status == "LOSSY" and broken.lossy_prompts == (0, 1)
+    assert summary.method("asd").lossless is True
+    paths = write_outputs(result, summary, tmp_path)
+    assert "**WARNING: LOSSY** -- broken" in paths["report"].read_text()
+    assert "**LOSSY** (2/2 prompts differ)" in paths["report"].read_text()
+    assert json.loads(paths["summary"].read_text())["lossless"] is False
+
+
+def test_a_failing_method_is_recorded_and_the_run_goes_on(model, monkeypatch):
+    real_call = bench_runner._Runner.call
+
+    def call(self, method, session, prompt):
+        if method.label == "hf-lookup":
+            raise RuntimeError("peer exploded")
+        return real_call(self, method, session, prompt)
+
+    monkeypatch.setattr(bench_runner._Runner, "call", call)
+    result = run_benchmark(model, PROMPTS[:2], "hf-lookup,asd", max_new_tokens=8, warmup=0)
+    summary = summarize(result)
+    row = summary.method("hf-lookup")
+    assert row.prompts == 0 and row.errors == 2 and "peer exploded" in row.error and row.status == "ERROR"
+    assert summary.method("asd").prompts == 2
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli_on_tiny(model, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_cli, "_load_model", lambda args: model)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"id": p.id, "prompt": p.prompt}) + "\n" for p in PROMPTS[:2]))
+    return data
+
+
+def _main(argv):
+    from selfspec.cli import main
+
+    return main(argv)
+
+
+def test_cli_bench_json_and_files(cli_on_tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = _main(
+        [
+            "bench",
+            "--dataset",
+            str(cli_on_tiny),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--methods",
+            "asd,hf",
+            "--out",
+            str(out),
+            "--json",
+            "--no-progress",
+            "--warmup",
+            "0",
+        ]
+    )
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert summary["lossless"] is True and [m["label"] for m in summary["methods"]] == ["vanilla", "asd", "hf"]
+    assert summary["config"]["command"].startswith("selfspec bench --model smollm2-135m --dataset ")
+    assert (out / "report.md").is_file() and (out / "speedup.png").is_file()
+
+
+def test_cli_bench_exit_status_1_when_lossy(cli_on_tiny, monkeypatch, tmp_path, capsys):
+    _corrupt(monkeypatch, "broken")
+    code = _main(
+        [
+            "bench",
+            "--dataset",
+            str(cli_on_tiny),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--methods",
+            "asd@broken",
+            "--out",
+            str(tmp_path / "o"),
+            "--no-progress",
+            "--warmup",
+            "0",
+        ]
+    )
+    assert code == 1
+    assert "WARNING: method 'broken' is LOSSY" in capsys.readouterr().err
+
+
+def test_cli_bench_stream_mode(cli_on_tiny, tmp_path, capsys):
+    other = tmp_path / "code.jsonl"
+    other.write_text(json.dumps({"prompt": PROMPTS[2].prompt}) + "\n")
+    out = tmp_path / "s"
+    code = _main(
+        [
+            "bench",
+            "--stream",
+            f"{cli_on_tiny},{other}",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--methods",
+            "asd",
+            "--out",
+            str(out),
+            "--json",
+            "--no-progress",
+            "--warmup",
+            "0",
+            "--window",
+            "2",
+        ]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["stream"]["tasks"] == ["prompts", "code"] and summary["stream"]["boundaries"] == [0, 2]
+    assert (out / "stream.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dataset", "nope"], "unknown dataset 'nope'"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--methods", "asd:alpha=2x"], "bad option value"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ],
+)
+def test_cli_bench_bad_input_is_one_line(cli_on_tiny, argv, message, capsys):
+    assert _main(["bench", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
