@@ -59,6 +59,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     src.add_argument("--dataset", help="xsum, humaneval, mtbench or PATH.jsonl (default xsum)")
     src.add_argument("--stream", help="domain-shift stream: comma-separated datasets, e.g. xsum,humaneval,mtbench")
     p.add_argument("--limit", type=int, default=10, help="prompts (per task with --stream; default 10)")
+    p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each dataset (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--methods", default="vanilla,asd", help='method specs, e.g. "vanilla,asd,hf" (see below)')
     p.add_argument("--out", type=Path, help="output directory (default runs/bench-<timestamp>)")
@@ -75,6 +76,8 @@ def _command_line(args: argparse.Namespace) -> str:
     """The exact command, rebuilt from the parsed arguments (defaults made explicit)."""
     argv = ["selfspec", "bench", "--model", args.model]
     argv += ["--stream", args.stream] if args.stream else ["--dataset", args.dataset or "xsum"]
+    if args.offset:
+        argv += ["--offset", str(args.offset)]
     argv += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods]
     argv += ["--warmup", str(args.warmup)]
     if args.threads is not None:
@@ -92,6 +95,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         ("--limit", args.limit, 1),
         ("--max-new-tokens", args.max_new_tokens, 1),
         ("--warmup", args.warmup, 0),
+        ("--offset", args.offset, 0),
         ("--window", args.window, 1),
     ):
         if value < low:
@@ -131,7 +135,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
 
     model = _load_model(args)
-    prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=model.has_chat_template)]
+    chat = model.has_chat_template
+    prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=chat, offset=args.offset)]
     console.print(
         f"selfspec bench: {model.name}, {len(prompts)} prompts x {len(methods)} methods "
         f"({', '.join(m.label for m in methods)}), {args.max_new_tokens} new tokens",
@@ -150,6 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "dataset": None if args.stream else names[0],
         "stream": names if args.stream else None,
         "limit": args.limit,
+        "offset": args.offset,
         "device": args.device,
         "dtype": args.dtype,
         "date": started.isoformat(timespec="seconds"),

@@ -353,25 +353,28 @@ def write_outputs(result: BenchResult, summary: BenchSummary, out_dir: str | Pat
     return paths
 
 
+TERMINAL_COLUMNS = ("method", "speedup", "vs hf", "tokens/s", "M", "acceptance", "E (eq. 6)", "lossless")
+
+
 def print_summary(summary: BenchSummary, console=None) -> None:
-    """The summary table on stderr (rich), LOSSY methods in red."""
+    """A compact summary table on stderr (rich), LOSSY methods in red; report.md has every column."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     console = console or Console(stderr=True)
     with_hf = any(r.speedup_vs_hf is not None for r in summary.methods)
+    columns = _columns(with_hf)
+    keep = [i for i, c in enumerate(columns) if c in TERMINAL_COLUMNS]
     sections = [(None, summary.methods)] + list(summary.by_task.items())
     for task, rows in sections:
         cfg = summary.config
-        title = (
-            f"{cfg.get('model')} · {task or cfg.get('dataset') or 'stream'} · {cfg.get('max_new_tokens')} new tokens"
-        )
-        table = Table(title=escape(title))
-        for i, col in enumerate(_columns(with_hf)):
-            table.add_column(col, justify="left" if i == 0 else "right")
+        where = task or cfg.get("dataset") or "stream"
+        table = Table(title=escape(f"{cfg.get('model')} · {where} · {cfg.get('max_new_tokens')} new tokens"))
+        for i in keep:
+            table.add_column(columns[i], justify="left" if i == 0 else "right")
         for row, cells in zip(rows, table_rows(rows, with_hf=with_hf), strict=True):
-            cells[-1] = cells[-1].replace("**", "")
+            cells = [cells[i].replace("**", "") for i in keep]
             style = "bold red" if row.lossless is False or row.prompts == 0 else None
             table.add_row(*(escape(c) for c in cells), style=style)
         console.print(table)
