@@ -318,6 +318,8 @@ def test_cli_bench_stream_mode(cli_on_tiny, tmp_path, capsys):
         (["--limit", "0"], "--limit must be >= 1"),
         (["--methods", "asd:alpha=2x"], "bad option value"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--offset", "-1"], "--offset must be >= 0"),
+        (["--temperature", "0.7"], "only greedy decoding"),
     ],
 )
 def test_cli_bench_bad_input_is_one_line(cli_on_tiny, argv, message, capsys):

@@ -62,6 +62,12 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each dataset (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--methods", default="vanilla,asd", help='method specs, e.g. "vanilla,asd,hf" (see below)')
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (default; the only mode until speculative sampling lands)",
+    )
     p.add_argument("--out", type=Path, help="output directory (default runs/bench-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per method, discarded (default 1)")
@@ -100,6 +106,11 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     ):
         if value < low:
             raise InvalidInputError(f"{name} must be >= {low}, got {value}")
+    if args.temperature != 0:
+        raise InvalidInputError(
+            f"--temperature {args.temperature}: only greedy decoding (0) is benchmarked so far; "
+            "speculative sampling is not implemented yet"
+        )
     if args.threads is not None and args.threads < 1:
         raise InvalidInputError(f"--threads must be >= 1, got {args.threads}")
     names = [s.strip() for s in args.stream.split(",") if s.strip()] if args.stream else [args.dataset or "xsum"]
