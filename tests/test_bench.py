@@ -227,27 +227,14 @@ def _main(argv):
     return main(argv)
 
 
+def _bench(*args: str) -> int:
+    """``selfspec bench`` with the given arguments, 8 new tokens, no warm-up, no progress bar."""
+    return _main(["bench", "--max-new-tokens", "8", "--warmup", "0", "--no-progress", *args])
+
+
 def test_cli_bench_json_and_files(cli_on_tiny, tmp_path, capsys):
     out = tmp_path / "run"
-    code = _main(
-        [
-            "bench",
-            "--dataset",
-            str(cli_on_tiny),
-            "--limit",
-            "2",
-            "--max-new-tokens",
-            "8",
-            "--methods",
-            "asd,hf",
-            "--out",
-            str(out),
-            "--json",
-            "--no-progress",
-            "--warmup",
-            "0",
-        ]
-    )
+    code = _bench("--dataset", str(cli_on_tiny), "--limit", "2", "--methods", "asd,hf", "--out", str(out), "--json")
     assert code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
@@ -258,24 +245,7 @@ def test_cli_bench_json_and_files(cli_on_tiny, tmp_path, capsys):
 
 def test_cli_bench_exit_status_1_when_lossy(cli_on_tiny, monkeypatch, tmp_path, capsys):
     _corrupt(monkeypatch, "broken")
-    code = _main(
-        [
-            "bench",
-            "--dataset",
-            str(cli_on_tiny),
-            "--limit",
-            "1",
-            "--max-new-tokens",
-            "8",
-            "--methods",
-            "asd@broken",
-            "--out",
-            str(tmp_path / "o"),
-            "--no-progress",
-            "--warmup",
-            "0",
-        ]
-    )
+    code = _bench("--dataset", str(cli_on_tiny), "--limit", "1", "--methods", "asd@broken", "--out", str(tmp_path))
     assert code == 1
     assert "WARNING: method 'broken' is LOSSY" in capsys.readouterr().err
 
@@ -284,27 +254,8 @@ def test_cli_bench_stream_mode(cli_on_tiny, tmp_path, capsys):
     other = tmp_path / "code.jsonl"
     other.write_text(json.dumps({"prompt": PROMPTS[2].prompt}) + "\n")
     out = tmp_path / "s"
-    code = _main(
-        [
-            "bench",
-            "--stream",
-            f"{cli_on_tiny},{other}",
-            "--limit",
-            "2",
-            "--max-new-tokens",
-            "8",
-            "--methods",
-            "asd",
-            "--out",
-            str(out),
-            "--json",
-            "--no-progress",
-            "--warmup",
-            "0",
-            "--window",
-            "2",
-        ]
-    )
+    stream = f"{cli_on_tiny},{other}"
+    code = _bench("--stream", stream, "--limit", "2", "--methods", "asd", "--out", str(out), "--json", "--window", "2")
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["stream"]["tasks"] == ["prompts", "code"] and summary["stream"]["boundaries"] == [0, 2]
@@ -323,6 +274,6 @@ def test_cli_bench_stream_mode(cli_on_tiny, tmp_path, capsys):
     ],
 )
 def test_cli_bench_bad_input_is_one_line(cli_on_tiny, argv, message, capsys):
-    assert _main(["bench", "--no-progress", *argv]) == 2
+    assert _bench(*argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -63,6 +63,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser(
+        "search",
+        help="Draft & Verify: search a skip set offline by Bayesian optimisation of measured speed",
+        description="Search a static skip set (Self-SD / Draft & Verify) on calibration prompts; use it with "
+        "`generate --method selfsd --skip-set OUT`. Resumable: rerun the same command to continue.",
+    )
+    _add_model_args(p)
+    p.add_argument("--dataset", default="xsum", help="calibration data: xsum, humaneval, mtbench or PATH.jsonl")
+    p.add_argument("--limit", type=int, default=8, help="calibration prompts (default 8, as D&V)")
+    p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of the dataset")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per calibration prompt (default 32)")
+    p.add_argument("--iterations", type=int, default=200, help="observations in all, resumed ones included (200)")
+    p.add_argument("--init-points", type=int, default=10, help="random points before the optimiser's own (10)")
+    p.add_argument("--time-budget", type=float, help="stop after this many seconds (this run)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the optimiser (0)")
+    p.add_argument("--out", type=Path, required=True, help="where to write the best skip set (JSON)")
+    p.add_argument("--state", type=Path, help="resumable state file (default OUT.state.json)")
+    p.add_argument("--max-draft", type=int, help="most draft tokens per round while measuring (12)")
+    p.add_argument("--draft-length", type=int, help="fixed draft length while measuring")
+    p.add_argument("--gamma", type=float, help="initial confidence threshold of the adaptive exit (0.6)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_search)
+
     try:
         from .bench.cli import add_bench_parser
     except ImportError:  # pragma: no cover - the harness ships with the package
@@ -160,6 +183,43 @@ def _print_stats(stats, base, identical) -> None:
     for r in rows:
         table.add_row(*r)
     Console(stderr=True).print(table)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from .datasets import load_prompts
+    from .methods import build_policies
+    from .models import load
+    from .search import search_skip_set
+    from .skipset import SkipSet
+
+    for name, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                             ("--iterations", args.iterations, 1), ("--init-points", args.init_points, 0),
+                             ("--offset", args.offset, 0)):  # fmt: skip
+        if value < low:
+            raise InvalidInputError(f"{name} must be >= {low}, got {value}")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise InvalidInputError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    draft = {k: getattr(args, k) for k in ("max_draft", "draft_length", "gamma") if getattr(args, k) is not None}
+    build_policies("static", {"skip_set": SkipSet(), **draft})  # draft options checked before the (slow) model load
+    load_prompts(args.dataset, limit=1, chat=False)  # unknown dataset: fail before loading the model
+    model = load(args.model, device=args.device, dtype=args.dtype)
+    prompts = load_prompts(args.dataset, limit=args.limit, chat=model.has_chat_template, offset=args.offset)
+    calibration = {"dataset": args.dataset, "offset": args.offset, "limit": args.limit}
+    result = search_skip_set(
+        model, prompts, iterations=args.iterations, out=args.out, state_path=args.state,
+        calibration_info=calibration, max_new_tokens=args.max_new_tokens, init_points=args.init_points,
+        time_budget=args.time_budget, seed=args.seed, draft_options=draft, progress=not args.no_progress,
+    )  # fmt: skip
+    best = result.best
+    obj = best.meta["objective"]
+    print(
+        f"{result.stop_reason}: {len(result.state.observations)} observations ({result.new_observations} this run, "
+        f"{result.state.elapsed:.0f} s in all); best skip set: {best.describe()}\n"
+        f"decode speed {obj['speedup_vs_vanilla_decode']:.3f}x vanilla on the calibration prompts "
+        f"(M {obj['M']:.2f}, acceptance {obj['acceptance_rate']:.2f}); written to {args.out}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -90,6 +90,16 @@ def check_lengths(model: Model, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
+def prefill_cosine(model: Model, prompt_ids: list[int]) -> SublayerCosine:
+    """Per-sublayer cosine similarity of one full-model prefill over ``prompt_ids`` (no decoding)."""
+    check_lengths(model, len(prompt_ids), 1)
+    engine = model.engine
+    out: list[SublayerCosine] = []
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
+    engine.forward(engine.new_cache(len(prompt_ids) + 1), ids, 0, last_only=True, cosine_out=out)
+    return out[0]
+
+
 class Decoder:
     """Iterate to get the new tokens of each round; ``stats`` once exhausted."""
 

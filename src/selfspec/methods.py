@@ -43,7 +43,10 @@ def _asd(opts: dict[str, Any]) -> AsdPolicy:
 def _static(opts: dict[str, Any]) -> StaticPolicy:
     skip = opts.get("skip_set")
     if skip is None:
-        raise InvalidInputError("method 'static' needs a skip set (--skip-set FILE_OR_JSON, or skip_set=...)")
+        raise InvalidInputError(
+            "methods 'static' and 'selfsd' need a skip set (--skip-set FILE_OR_JSON, or skip_set=...); "
+            "`selfspec search` finds one"
+        )
     if not isinstance(skip, SkipSet):
         skip = SkipSet.from_dict(skip) if isinstance(skip, dict) else SkipSet.parse(skip)
     return StaticPolicy(skip)
@@ -70,6 +73,13 @@ METHODS: dict[str, MethodSpec] = {
         _static,
     ),
 }
+# Self-SD (Draft & Verify): a static skip set, typically one found by `selfspec search`
+METHODS["selfsd"] = MethodSpec(
+    "selfsd",
+    "Self-SD / Draft & Verify: a skip set found offline by `selfspec search`",
+    METHODS["static"].options,
+    _static,
+)
 
 
 def build_policies(method: str, options: dict[str, Any]):

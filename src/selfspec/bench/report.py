@@ -199,29 +199,16 @@ def plot_speedup(summary: BenchSummary, path: Path) -> None:
             ax1.text(i, 0.02, "error", ha="center", va="bottom", color=LOSSY_COLOR)
         else:
             ax1.text(i, speed[i], f"{speed[i]:.2f}", ha="center", va="bottom", fontsize=9)
-    expected = [(i, r.expected_speedup) for i, r in enumerate(rows) if r.expected_speedup is not None]
-    if expected:
-        ax1.scatter(
-            [i for i, _ in expected],
-            [e for _, e in expected],
-            marker="D",
-            color="black",
-            zorder=3,
-            label="expected (SWIFT eq. 6)",
-        )
-        adjusted = [
-            (i, r.expected_speedup_verify_adjusted)
-            for i, r in enumerate(rows)
-            if r.expected_speedup_verify_adjusted is not None
-        ]
-        ax1.scatter(
-            [i for i, _ in adjusted],
-            [e for _, e in adjusted],
-            marker="x",
-            color="black",
-            zorder=3,
-            label="expected, verify cost measured (E/v)",
-        )
+    series = (
+        ("expected_speedup", "D", "expected (SWIFT eq. 6)"),
+        ("expected_speedup_verify_adjusted", "x", "expected, verify cost measured (E/v)"),
+    )
+    if any(r.expected_speedup is not None for r in rows):
+        for key, marker, label in series:
+            points = [(i, getattr(r, key)) for i, r in enumerate(rows) if getattr(r, key) is not None]
+            ax1.scatter(
+                [i for i, _ in points], [e for _, e in points], marker=marker, color="black", zorder=3, label=label
+            )
         ax1.legend(fontsize=8, loc="upper left")
     ax1.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax1.set_title("speedup vs vanilla (wall time)")

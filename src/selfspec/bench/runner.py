@@ -36,7 +36,7 @@ import torch
 
 from ..api import Session
 from ..datasets import PromptItem
-from ..decoding import check_lengths
+from ..decoding import check_lengths, prefill_cosine
 from ..errors import InvalidInputError
 from ..models import Model
 from .peers import check_peer, run_peer
@@ -225,7 +225,7 @@ def run_benchmark(
 
     cosine = None
     if measure_cosine and not any(r.stats and r.stats.get("cosine") for r in records):
-        cosine = tuple(prefill_cosine(model, item.prompt) for item in prompts)
+        cosine = tuple(_prompt_cosine(model, item.prompt) for item in prompts)
     return BenchResult(
         model=model.name,
         num_layers=model.num_layers,
@@ -258,15 +258,10 @@ def _skipped(index: int, item: PromptItem, method: BenchMethod, error: str) -> P
     )
 
 
-def prefill_cosine(model: Model, prompt: Any) -> dict[str, list[float]] | None:
+def _prompt_cosine(model: Model, prompt: Any) -> dict[str, list[float]] | None:
     """Per-sublayer cosine of one full-model prefill (untimed analysis; None if the prompt is unusable)."""
     try:
-        ids = model.encode(prompt)
-        check_lengths(model, len(ids), 1)
+        cos = prefill_cosine(model, model.encode(prompt))
     except Exception:
         return None
-    engine = model.engine
-    cache = engine.new_cache(len(ids) + 1)
-    out: list = []
-    engine.forward(cache, torch.tensor(ids, dtype=torch.long, device=engine.device), 0, last_only=True, cosine_out=out)
-    return {"attention": list(out[0].attention), "mlp": list(out[0].mlp)}
+    return {"attention": list(cos.attention), "mlp": list(cos.mlp)}

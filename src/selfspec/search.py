@@ -1,0 +1,372 @@
+"""Draft & Verify's offline skip-set search: Bayesian optimisation of measured decoding speed.
+
+    selfspec search --model smollm2-135m --dataset xsum --limit 8 --iterations 200 --out skips.json
+    selfspec generate --method static --skip-set skips.json --prompt "..."     # or --method selfsd
+
+The search space is D&V's: one variable in [0, 1] per attention and per MLP
+sublayer (2L in all), a value above 0.5 meaning "skip".  The objective is the
+decoding speed the skip set really gives: self-speculative decoding with it
+on the calibration prompts, timed, divided by the speed of vanilla decoding
+on the same prompts measured at the start of the run (so the objective reads
+as a speedup).  Prefill time is left out of both: it is the same full-model
+pass for every candidate.  Different points of the space often map to the
+same skip set; a set already measured is not measured again.
+
+Before the optimiser's own points, a few known-good starting points are
+probed (:func:`seed_skip_sets`): SWIFT's uniform start (every other layer),
+the same on attention sublayers only, and ASD's ADMG set with the paper's
+values on the calibration prompts' prefill statistics.  Then ``init_points``
+random points, then the optimiser's suggestions (upper confidence bound).
+
+Every observation goes to a state file after it is made, so a search stopped
+by Ctrl-C, a time budget or a crash resumes where it was (same model and
+calibration data required).  The best skip set is written to ``out`` with
+the model, the calibration data, the objective reached and the date.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .api import Session
+from .datasets import PromptItem
+from .decoding import prefill_cosine
+from .engine import SublayerCosine
+from .errors import InvalidInputError
+from .models import Model
+from .policies import admg
+from .skipset import SkipSet
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured candidate."""
+
+    iteration: int
+    source: str  # "seed:<name>", "random", "bo"
+    params: list[float]  # the optimiser's point: attention variables, then MLP variables
+    attention: list[int]
+    mlp: list[int]
+    speedup: float  # the objective: candidate decode speed / vanilla decode speed
+    tokens_per_second: float
+    M: float
+    acceptance_rate: float
+    seconds: float  # wall time of the measurement
+    measured: bool = True  # False: the same set was measured before (its figures reused), or it is empty
+
+    @property
+    def skip_set(self) -> SkipSet:
+        return SkipSet.of(self.attention, self.mlp)
+
+
+@dataclass
+class SearchState:
+    """Everything needed to resume a search, saved as JSON after every observation."""
+
+    model: str
+    num_layers: int
+    calibration: dict[str, Any]
+    vanilla_tokens_per_second: float | None = None
+    observations: list[Observation] = field(default_factory=list)
+    elapsed: float = 0.0  # seconds spent over all runs
+
+    @property
+    def best(self) -> Observation | None:
+        return max(self.observations, key=lambda o: o.speedup, default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["version"] = STATE_VERSION
+        return d
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)  # never leave a half-written state behind
+
+    @classmethod
+    def load(cls, path: Path) -> SearchState:
+        try:
+            data = json.loads(path.read_text())
+            if data.pop("version", None) != STATE_VERSION:
+                raise ValueError("unknown state version")
+            data["observations"] = [Observation(**o) for o in data["observations"]]
+            return cls(**data)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise InvalidInputError(f"search state {path} is unreadable ({exc}); delete it to start afresh") from None
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: SkipSet  # with meta: model, calibration, objective, date
+    state: SearchState
+    new_observations: int
+    stop_reason: str  # "iterations", "time budget", "interrupted"
+
+
+# -- the search space -------------------------------------------------------------------------
+
+
+def param_names(num_layers: int) -> list[str]:
+    width = len(str(num_layers - 1))
+    return [f"attn{i:0{width}d}" for i in range(num_layers)] + [f"mlp{i:0{width}d}" for i in range(num_layers)]
+
+
+def to_skip_set(values: Sequence[float], num_layers: int) -> SkipSet:
+    """D&V's encoding: variable > 0.5 means the sublayer is skipped."""
+    attention = [i for i in range(num_layers) if values[i] > 0.5]
+    mlp = [i for i in range(num_layers) if values[num_layers + i] > 0.5]
+    return SkipSet.of(attention, mlp)
+
+
+def to_params(skip: SkipSet, num_layers: int) -> list[float]:
+    """A point of the space that encodes ``skip`` (0.75 skipped, 0.25 kept)."""
+    return [0.75 if i in skip.attention else 0.25 for i in range(num_layers)] + [
+        0.75 if i in skip.mlp else 0.25 for i in range(num_layers)
+    ]
+
+
+def seed_skip_sets(num_layers: int, cosine: SublayerCosine | None) -> dict[str, SkipSet]:
+    """Known-good starting points, probed before the optimiser's own (see the module docstring)."""
+    inner = range(1, num_layers - 1)  # SWIFT never skips the first and the last layer
+    every_other = [i for i in inner if i % 2 == 1]
+    seeds = {
+        "swift-uniform": SkipSet.of(every_other, every_other),
+        "attention-every-other": SkipSet.of(every_other, []),
+    }
+    if cosine is not None:
+        seeds["asd-admg"] = admg(cosine, alpha=0.985, m=3, n=2)
+    return {name: s for name, s in seeds.items() if not s.is_empty}
+
+
+def mean_cosine(cosines: Sequence[SublayerCosine]) -> SublayerCosine:
+    n = len(cosines)
+    return SublayerCosine(
+        tuple(sum(c.attention[i] for c in cosines) / n for i in range(len(cosines[0].attention))),
+        tuple(sum(c.mlp[i] for c in cosines) / n for i in range(len(cosines[0].mlp))),
+    )
+
+
+# -- measuring a candidate --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measurement:
+    tokens_per_second: float  # new tokens / decode time (prefill excluded)
+    M: float
+    acceptance_rate: float
+    seconds: float
+
+
+class Calibration:
+    """The calibration prompts, encoded once, and the timed decoding of a method on all of them."""
+
+    def __init__(self, model: Model, prompts: Sequence[PromptItem], max_new_tokens: int) -> None:
+        if not prompts:
+            raise InvalidInputError("the search needs at least one calibration prompt")
+        self.model = model
+        self.prompts = [item.prompt for item in prompts]
+        self.max_new_tokens = max_new_tokens
+
+    def measure(self, method: str, **options: Any) -> Measurement:
+        t0 = time.perf_counter()
+        session = Session(self.model, method, **options)  # a fresh draft-length state for every candidate
+        tokens = forwards = drafted = accepted = 0
+        decode_time = 0.0
+        for prompt in self.prompts:
+            stats = session.generate(prompt, max_new_tokens=self.max_new_tokens).stats
+            tokens += stats.new_tokens - 1  # the prefill's token is not a decoding step's
+            forwards += stats.forwards - 1
+            drafted += stats.drafted
+            accepted += stats.accepted
+            decode_time += stats.total_time - stats.prefill_time
+        return Measurement(
+            tokens_per_second=tokens / decode_time if decode_time > 0 else 0.0,
+            M=tokens / forwards if forwards else 0.0,
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            seconds=time.perf_counter() - t0,
+        )
+
+
+# -- the search -------------------------------------------------------------------------------
+
+ProgressFn = Callable[[Observation, SearchState], None]
+
+
+def search_skip_set(
+    model: Model,
+    prompts: Sequence[PromptItem],
+    *,
+    iterations: int,
+    out: str | Path,
+    state_path: str | Path | None = None,
+    calibration_info: dict[str, Any] | None = None,
+    max_new_tokens: int = 32,
+    init_points: int = 10,
+    time_budget: float | None = None,
+    seed: int = 0,
+    draft_options: dict[str, Any] | None = None,
+    progress: bool = False,
+    on_observation: ProgressFn | None = None,
+) -> SearchResult:
+    """Search a skip set for ``model`` on ``prompts``; ``iterations`` counts all observations, resumed ones too.
+
+    ``state_path`` (default ``<out>.state.json``) is resumed when it exists.
+    ``time_budget`` (seconds, this run) stops the search early; so does Ctrl-C.
+    ``draft_options`` (``max_draft``, ``gamma``, ``draft_length``) configure the
+    draft length while measuring, and should match how the set will be used.
+    """
+    from bayes_opt import BayesianOptimization
+
+    if iterations < 1:
+        raise InvalidInputError(f"iterations must be >= 1, got {iterations}")
+    if init_points < 0:
+        raise InvalidInputError(f"init_points must be >= 0, got {init_points}")
+    if time_budget is not None and time_budget <= 0:
+        raise InvalidInputError(f"time budget must be > 0 seconds, got {time_budget}")
+    draft_options = dict(draft_options or {})
+    unknown = sorted(set(draft_options) - {"max_draft", "gamma", "draft_length"})
+    if unknown:
+        raise InvalidInputError(f"unknown draft option(s) {', '.join(unknown)}; valid: max_draft, gamma, draft_length")
+    out = Path(out)
+    state_path = Path(state_path) if state_path is not None else out.with_name(out.name + ".state.json")
+    L = model.num_layers
+    calibration_info = {**(calibration_info or {}), "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+    calib = Calibration(model, prompts, max_new_tokens)
+
+    if state_path.exists():
+        state = SearchState.load(state_path)
+        if (state.model, state.num_layers, state.calibration) != (model.name, L, calibration_info):
+            raise InvalidInputError(
+                f"search state {state_path} belongs to another search (model {state.model}, "
+                f"calibration {state.calibration}); pass another --state or delete it"
+            )
+    else:
+        state = SearchState(model.name, L, calibration_info)
+
+    names = param_names(L)
+    optimizer = BayesianOptimization(
+        f=None, pbounds={n: (0.0, 1.0) for n in names}, random_state=seed, verbose=0, allow_duplicate_points=True
+    )
+    for o in state.observations:
+        optimizer.register(params=dict(zip(names, o.params, strict=True)), target=o.speedup)
+    measured = {(tuple(o.attention), tuple(o.mlp)): o for o in state.observations if o.measured}
+
+    t_start = time.perf_counter()
+    elapsed_before = state.elapsed
+    if state.vanilla_tokens_per_second is None:
+        state.vanilla_tokens_per_second = calib.measure("vanilla").tokens_per_second
+        state.save(state_path)
+    vanilla_tps = state.vanilla_tokens_per_second
+
+    seeds: list[tuple[str, SkipSet]] = []
+    if len(state.observations) < iterations:
+        tried = {o.source for o in state.observations}
+        cosine = mean_cosine([prefill_cosine(model, model.encode(p)) for p in calib.prompts])
+        seeds = [(f"seed:{n}", s) for n, s in seed_skip_sets(L, cosine).items() if f"seed:{n}" not in tried]
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=iterations, initial=min(len(state.observations), iterations), file=sys.stderr, unit="set")
+    stop_reason = "iterations"
+    new = 0
+    try:
+        while len(state.observations) < iterations:
+            if time_budget is not None and time.perf_counter() - t_start >= time_budget:
+                stop_reason = "time budget"
+                break
+            index = len(state.observations)
+            if seeds:
+                source, skip = seeds.pop(0)
+                params = to_params(skip, L)
+            else:
+                random_phase = sum(o.source == "random" for o in state.observations) < init_points
+                point = optimizer.random_sample(1)[0] if random_phase else optimizer.suggest()
+                params = [float(point[n]) for n in names]
+                source = "random" if random_phase else "bo"
+                skip = to_skip_set(params, L)
+            key = (tuple(sorted(skip.attention)), tuple(sorted(skip.mlp)))
+            if skip.is_empty:  # the draft would be the full model: never faster than vanilla, not worth measuring
+                obs = Observation(index, source, params, [], [], 0.0, 0.0, 0.0, 0.0, 0.0, measured=False)
+            elif key in measured:
+                obs = replace(measured[key], iteration=index, source=source, params=params, seconds=0.0, measured=False)
+            else:
+                m = calib.measure("static", skip_set=skip, **draft_options)
+                speedup = m.tokens_per_second / vanilla_tps if vanilla_tps else 0.0
+                obs = Observation(
+                    index,
+                    source,
+                    params,
+                    list(key[0]),
+                    list(key[1]),
+                    speedup,
+                    m.tokens_per_second,
+                    m.M,
+                    m.acceptance_rate,
+                    m.seconds,
+                )
+                measured[key] = obs
+            optimizer.register(params=dict(zip(names, params, strict=True)), target=obs.speedup)
+            state.observations.append(obs)
+            state.elapsed = elapsed_before + time.perf_counter() - t_start
+            state.save(state_path)
+            new += 1
+            if state.best is obs:
+                _write_best(state, out)
+            if bar is not None:
+                best = state.best
+                bar.set_postfix_str(f"best {best.speedup:.3f}x ({len(best.attention)}a+{len(best.mlp)}m skipped)")
+                bar.update(1)
+            if on_observation is not None:
+                on_observation(obs, state)
+    except KeyboardInterrupt:
+        stop_reason = "interrupted"
+    finally:
+        if bar is not None:
+            bar.close()
+        state.elapsed = elapsed_before + time.perf_counter() - t_start
+        state.save(state_path)
+    if state.best is None:
+        raise InvalidInputError("the search made no observation (time budget too small?)")
+    return SearchResult(_write_best(state, out), state, new, stop_reason)
+
+
+def _write_best(state: SearchState, out: Path) -> SkipSet:
+    best = state.best
+    assert best is not None
+    skip = SkipSet.of(
+        best.attention,
+        best.mlp,
+        model=state.model,
+        num_layers=state.num_layers,
+        calibration=state.calibration,
+        objective={
+            "speedup_vs_vanilla_decode": round(best.speedup, 4),
+            "tokens_per_second": round(best.tokens_per_second, 2),
+            "vanilla_tokens_per_second": round(state.vanilla_tokens_per_second or 0.0, 2),
+            "M": round(best.M, 3),
+            "acceptance_rate": round(best.acceptance_rate, 4),
+        },
+        search={
+            "method": "draft-and-verify bayesian optimisation",
+            "observations": len(state.observations),
+            "found_at": best.iteration,
+            "source": best.source,
+            "seconds": round(state.elapsed, 1),
+        },
+        date=datetime.now().astimezone().isoformat(timespec="seconds"),
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    skip.save(out)
+    return skip
