@@ -1,8 +1,10 @@
-"""Command line: ``selfspec generate | models | bench``.
+"""Command line: ``selfspec generate | models | search | bench``.
 
     selfspec models
     selfspec generate --prompt "Why is the sky blue?" --method asd --compare
     selfspec generate --model gemma3-270m --raw --prompt "def fib(n):" --method static --skip-set '{"mlp": [4, 8]}'
+    selfspec search --dataset xsum --limit 8 --iterations 200 --out skips.json
+    selfspec bench --dataset humaneval --limit 10 --methods "asd,selfsd:skips.json,hf"
 
 Errors that are the user's to fix print one line and exit with status 2.
 """
@@ -29,7 +31,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--m", type=int, help="ASD rule 1: skip every m-th layer (3)")
     g.add_argument("--n", type=int, help="ASD rule 2: keep the last n layers (2)")
     g.add_argument("--variant", help="ASD ablation: admg, cs, cs+r2, r1+r2")
-    g.add_argument("--skip-set", help="static: skip set JSON file or literal")
+    g.add_argument("--skip-set", help="static/selfsd: skip set JSON file or literal")
     g.add_argument("--max-draft", type=int, help="most draft tokens per round (12)")
     g.add_argument("--draft-length", type=int, help="fixed draft length instead of the adaptive exit")
     g.add_argument("--gamma", type=float, help="initial confidence threshold of the adaptive exit (0.6)")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with one method (optionally compared with vanilla)")
     _add_model_args(p)
-    p.add_argument("--method", default="asd", help="vanilla, asd or static (default asd)")
+    p.add_argument("--method", default="asd", help="vanilla, asd, static or selfsd (default asd)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
