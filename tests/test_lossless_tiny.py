@@ -87,3 +87,26 @@ def test_session_carries_draft_threshold_across_prompts(tiny_llama):
     session.generate("Another prompt about something else entirely.", max_new_tokens=30)
     assert gamma1 != gamma0
     assert session.draft_policy.gamma != gamma1
+
+
+def test_one_prefill_serves_many_decodings(tiny):
+    """Decodings that reuse a prompt's prefill (as the skip-set search does) give the tokens of fresh ones."""
+    from selfspec.decoding import Decoder, prefill
+    from selfspec.methods import build_policies
+
+    ids = tiny.encode(PROMPT)
+    pf = prefill(tiny, ids, max_new_tokens=30, max_draft=12, cosine=True)
+    runs = [("asd", {}), ("vanilla", {}), ("static", {"skip_set": {"attention": [1, 3], "mlp": [2]}}), ("asd", {})]
+    for method, options in runs:
+        fresh = selfspec.generate(tiny, PROMPT, method, max_new_tokens=30, **options)
+        skip_policy, draft_policy = build_policies(method, options)
+        decoder = Decoder(tiny, ids, max_new_tokens=30, method=method, skip_policy=skip_policy,
+                          draft_policy=draft_policy, prefill=pf)
+        reused = [t for new in decoder for t in new]
+        assert tuple(reused) == fresh.token_ids, method
+        assert decoder.stats.skip_set == fresh.stats.skip_set
+    with pytest.raises(ValueError, match="another prompt"):
+        Decoder(tiny, ids[:-1], max_new_tokens=5, prefill=pf)
+    with pytest.raises(ValueError, match="this decoding needs"):
+        Decoder(tiny, ids, max_new_tokens=31, method="asd", skip_policy=skip_policy, draft_policy=draft_policy,
+                prefill=pf)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .cache import KVCache
 from .engine import SublayerCosine
 from .errors import InvalidInputError
 from .models import Model
@@ -90,14 +91,41 @@ def check_lengths(model: Model, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
-def prefill_cosine(model: Model, prompt_ids: list[int]) -> SublayerCosine:
-    """Per-sublayer cosine similarity of one full-model prefill over ``prompt_ids`` (no decoding)."""
-    check_lengths(model, len(prompt_ids), 1)
+@dataclass(frozen=True)
+class Prefill:
+    """A prompt's full-model prefill, reusable by several decodings of that prompt.
+
+    Decoding writes only at cache slots beyond the prompt, so the prompt's keys
+    and values stay valid; every decoder rewinds the cache to the prompt before
+    it starts.  Decoders that reuse a prefill report ``prefill_time`` 0 and
+    leave it out of ``total_time``.  Not for concurrent use.
+    """
+
+    prompt_ids: tuple[int, ...]
+    cache: KVCache
+    first_token: int
+    cosine: SublayerCosine | None
+
+
+def prefill(
+    model: Model, prompt_ids: list[int], *, max_new_tokens: int = 1, max_draft: int = 0, cosine: bool = False
+) -> Prefill:
+    """Run the full model over ``prompt_ids`` once, with room for decodings up to ``max_new_tokens``."""
+    check_lengths(model, len(prompt_ids), max_new_tokens)
     engine = model.engine
+    cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_draft + 1)
     out: list[SublayerCosine] = []
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
-    engine.forward(engine.new_cache(len(prompt_ids) + 1), ids, 0, last_only=True, cosine_out=out)
-    return out[0]
+    logits = engine.forward(cache, ids, 0, last_only=True, cosine_out=out if cosine else None)
+    cache.commit(len(prompt_ids))
+    return Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), out[0] if out else None)
+
+
+def prefill_cosine(model: Model, prompt_ids: list[int]) -> SublayerCosine:
+    """Per-sublayer cosine similarity of one full-model prefill over ``prompt_ids`` (no decoding)."""
+    cos = prefill(model, prompt_ids, cosine=True).cosine
+    assert cos is not None
+    return cos
 
 
 class Decoder:
@@ -112,6 +140,7 @@ class Decoder:
         method: str = "vanilla",
         skip_policy=None,
         draft_policy=None,
+        prefill: Prefill | None = None,
     ) -> None:
         check_lengths(model, len(prompt_ids), max_new_tokens)
         if (skip_policy is None) != (draft_policy is None):
@@ -122,6 +151,17 @@ class Decoder:
         self.method = method
         self.skip_policy = skip_policy
         self.draft_policy = draft_policy
+        self.prefill = prefill
+        if prefill is not None:
+            if prefill.prompt_ids != tuple(prompt_ids):
+                raise ValueError("the prefill is of another prompt")
+            need = len(prompt_ids) + max_new_tokens + (draft_policy.max_draft if draft_policy else 0) + 1
+            if prefill.cache.capacity < need:
+                raise ValueError(
+                    f"the prefill's cache holds {prefill.cache.capacity} slots; this decoding needs {need}"
+                )
+            if skip_policy is not None and getattr(skip_policy, "needs_cosine", False) and prefill.cosine is None:
+                raise ValueError("this skip policy needs the prefill's cosine statistics: prefill(..., cosine=True)")
         self.stats: GenerationStats | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -130,20 +170,18 @@ class Decoder:
         speculative = self.skip_policy is not None
         max_draft = self.draft_policy.max_draft if speculative else 0
         S, N = len(self.prompt_ids), self.max_new_tokens
-        cache = engine.new_cache(S + N + max_draft + 1)
         t_start = time.perf_counter()
 
-        # 1. prefill with the full model (and the cosine statistics ASD needs)
-        cosines: list[SublayerCosine] = []
+        # 1. prefill with the full model (and the cosine statistics ASD needs), unless given
         want_cos = speculative and getattr(self.skip_policy, "needs_cosine", False)
-        prompt = torch.tensor(self.prompt_ids, dtype=torch.long, device=device)
-        logits = engine.forward(cache, prompt, 0, last_only=True, cosine_out=cosines if want_cos else None)
-        cache.commit(S)
-        token = int(logits[-1].argmax())
+        pf = self.prefill or prefill(model, self.prompt_ids, max_new_tokens=N, max_draft=max_draft, cosine=want_cos)
+        cache, token = pf.cache, pf.first_token
+        cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
+        cosine = pf.cosine if want_cos else None
         prefill_time = time.perf_counter() - t_start
         skip: SkipSet | None = None
         if speculative:
-            skip = self.skip_policy.propose(cosines[0] if cosines else None, engine.num_layers)
+            skip = self.skip_policy.propose(cosine, engine.num_layers)
 
         out = [token]
         forwards, draft_forwards, drafted_total, accepted_total = 1, 0, 0, 0
@@ -216,6 +254,6 @@ class Decoder:
             total_time=time.perf_counter() - t_start,
             stop_reason=stop_reason if out[-1] in eos else "length",
             skip_set=skip.to_dict() if skip is not None else None,
-            cosine={"attention": list(cosines[0].attention), "mlp": list(cosines[0].mlp)} if cosines else None,
+            cosine={"attention": list(cosine.attention), "mlp": list(cosine.mlp)} if cosine else None,
             accept_lengths=tuple(accept_lengths),
         )

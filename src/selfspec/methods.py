@@ -44,7 +44,7 @@ def _static(opts: dict[str, Any]) -> StaticPolicy:
     skip = opts.get("skip_set")
     if skip is None:
         raise InvalidInputError(
-            "methods 'static' and 'selfsd' need a skip set (--skip-set FILE_OR_JSON, or skip_set=...); "
+            "method 'static' (or 'selfsd') needs a skip set (--skip-set FILE_OR_JSON, or skip_set=...); "
             "`selfspec search` finds one"
         )
     if not isinstance(skip, SkipSet):

@@ -35,11 +35,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .api import Session
 from .datasets import PromptItem
-from .decoding import prefill_cosine
+from .decoding import Decoder, prefill
 from .engine import SublayerCosine
 from .errors import InvalidInputError
+from .methods import build_policies
 from .models import Model
 from .policies import admg
 from .skipset import SkipSet
@@ -148,14 +148,6 @@ def seed_skip_sets(num_layers: int, cosine: SublayerCosine | None) -> dict[str, 
     return {name: s for name, s in seeds.items() if not s.is_empty}
 
 
-def mean_cosine(cosines: Sequence[SublayerCosine]) -> SublayerCosine:
-    n = len(cosines)
-    return SublayerCosine(
-        tuple(sum(c.attention[i] for c in cosines) / n for i in range(len(cosines[0].attention))),
-        tuple(sum(c.mlp[i] for c in cosines) / n for i in range(len(cosines[0].mlp))),
-    )
-
-
 # -- measuring a candidate --------------------------------------------------------------------
 
 
@@ -168,27 +160,47 @@ class Measurement:
 
 
 class Calibration:
-    """The calibration prompts, encoded once, and the timed decoding of a method on all of them."""
+    """The calibration prompts, prefilled once, and the timed decoding of a method on all of them.
 
-    def __init__(self, model: Model, prompts: Sequence[PromptItem], max_new_tokens: int) -> None:
+    Every candidate decodes from the same prefills (:class:`~selfspec.decoding.Prefill`): the
+    prompt pass is the full model's whatever the skip set, so it is neither repeated nor timed.
+    """
+
+    def __init__(self, model: Model, prompts: Sequence[PromptItem], max_new_tokens: int, max_draft: int) -> None:
         if not prompts:
             raise InvalidInputError("the search needs at least one calibration prompt")
         self.model = model
-        self.prompts = [item.prompt for item in prompts]
         self.max_new_tokens = max_new_tokens
+        ids = [model.encode(item.prompt) for item in prompts]
+        self.prefills = [
+            prefill(model, p, max_new_tokens=max_new_tokens, max_draft=max_draft, cosine=True) for p in ids
+        ]
+
+    def cosine(self) -> SublayerCosine:
+        """Mean per-sublayer cosine over the calibration prompts."""
+        cosines = [pf.cosine for pf in self.prefills if pf.cosine is not None]
+        n = len(cosines)
+        return SublayerCosine(
+            tuple(sum(c.attention[i] for c in cosines) / n for i in range(len(cosines[0].attention))),
+            tuple(sum(c.mlp[i] for c in cosines) / n for i in range(len(cosines[0].mlp))),
+        )
 
     def measure(self, method: str, **options: Any) -> Measurement:
         t0 = time.perf_counter()
-        session = Session(self.model, method, **options)  # a fresh draft-length state for every candidate
+        skip_policy, draft_policy = build_policies(method, options)  # a fresh draft-length state per candidate
         tokens = forwards = drafted = accepted = 0
         decode_time = 0.0
-        for prompt in self.prompts:
-            stats = session.generate(prompt, max_new_tokens=self.max_new_tokens).stats
+        for pf in self.prefills:
+            decoder = Decoder(self.model, list(pf.prompt_ids), max_new_tokens=self.max_new_tokens, method=method,
+                              skip_policy=skip_policy, draft_policy=draft_policy, prefill=pf)  # fmt: skip
+            for _ in decoder:
+                pass
+            stats = decoder.stats
             tokens += stats.new_tokens - 1  # the prefill's token is not a decoding step's
             forwards += stats.forwards - 1
             drafted += stats.drafted
             accepted += stats.accepted
-            decode_time += stats.total_time - stats.prefill_time
+            decode_time += stats.total_time
         return Measurement(
             tokens_per_second=tokens / decode_time if decode_time > 0 else 0.0,
             M=tokens / forwards if forwards else 0.0,
@@ -237,11 +249,12 @@ def search_skip_set(
     unknown = sorted(set(draft_options) - {"max_draft", "gamma", "draft_length"})
     if unknown:
         raise InvalidInputError(f"unknown draft option(s) {', '.join(unknown)}; valid: max_draft, gamma, draft_length")
+    _, draft_policy = build_policies("static", {"skip_set": SkipSet(), **draft_options})  # checks the values
     out = Path(out)
     state_path = Path(state_path) if state_path is not None else out.with_name(out.name + ".state.json")
     L = model.num_layers
     calibration_info = {**(calibration_info or {}), "prompts": len(prompts), "max_new_tokens": max_new_tokens}
-    calib = Calibration(model, prompts, max_new_tokens)
+    calib = Calibration(model, prompts, max_new_tokens, draft_policy.max_draft)
 
     if state_path.exists():
         state = SearchState.load(state_path)
@@ -271,8 +284,7 @@ def search_skip_set(
     seeds: list[tuple[str, SkipSet]] = []
     if len(state.observations) < iterations:
         tried = {o.source for o in state.observations}
-        cosine = mean_cosine([prefill_cosine(model, model.encode(p)) for p in calib.prompts])
-        seeds = [(f"seed:{n}", s) for n, s in seed_skip_sets(L, cosine).items() if f"seed:{n}" not in tried]
+        seeds = [(f"seed:{n}", s) for n, s in seed_skip_sets(L, calib.cosine()).items() if f"seed:{n}" not in tried]
 
     bar = None
     if progress:
