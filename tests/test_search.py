@@ -48,6 +48,19 @@ def test_seeds_never_skip_first_or_last_layer():
         assert not ({0, 7} & (s.attention | s.mlp))
 
 
+def test_cosine_seeds_skip_the_sublayers_that_change_the_least():
+    from selfspec.engine import SublayerCosine
+
+    attention = (0.99, 0.5, 0.97, 0.98, 0.6, 0.7, 0.96, 0.999)  # layers 0 and 7 are never skipped
+    mlp = (0.1, 0.2, 0.3, 0.995, 0.4, 0.5, 0.6, 0.7)
+    seeds = seed_skip_sets(8, SublayerCosine(attention, mlp))
+    assert seeds["cosine-top-attention-L/8"] == SkipSet.of([3], [])
+    assert seeds["cosine-top-attention-L/4"] == SkipSet.of([3, 2], [])
+    assert seeds["cosine-top-attention-L/2"] == SkipSet.of([3, 2, 6, 5], [])
+    assert seeds["cosine-top-sublayers-L/4"] == SkipSet.of([3], [3])
+    assert len(set(seeds.values())) == len(seeds)  # duplicates are probed once
+
+
 def test_search_end_to_end_writes_a_file_that_static_uses_losslessly(model, tmp_path, monkeypatch):
     calls = []
     real = search_mod.Calibration.measure
@@ -58,12 +71,15 @@ def test_search_end_to_end_writes_a_file_that_static_uses_losslessly(model, tmp_
 
     monkeypatch.setattr(search_mod.Calibration, "measure", counting)
     out = tmp_path / "skips.json"
-    result = _search(model, out, iterations=8)
+    result = _search(model, out, iterations=12)
     state = result.state
-    assert len(state.observations) == 8 and result.new_observations == 8 and result.stop_reason == "iterations"
+    assert len(state.observations) == 12 and result.new_observations == 12 and result.stop_reason == "iterations"
     sources = [o.source for o in state.observations]
-    assert sources[:3] == ["seed:swift-uniform", "seed:attention-every-other", "seed:asd-admg"]
-    assert sources[3:5] == ["random", "random"] and set(sources[5:]) == {"bo"}
+    n_seeds = sum(s.startswith("seed:") for s in sources)
+    assert 4 <= n_seeds <= 7
+    assert sources[:4] == ["seed:swift-uniform", "seed:attention-every-other", "seed:asd-admg",
+                           "seed:cosine-top-attention-L/8"]  # fmt: skip
+    assert sources[n_seeds : n_seeds + 2] == ["random", "random"] and set(sources[n_seeds + 2 :]) == {"bo"}
     # vanilla once, then each distinct non-empty skip set exactly once
     distinct = {(tuple(o.attention), tuple(o.mlp)) for o in state.observations if o.attention or o.mlp}
     assert calls[0] is None and len(calls) == 1 + len(distinct)

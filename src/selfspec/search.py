@@ -13,10 +13,10 @@ pass for every candidate.  Different points of the space often map to the
 same skip set; a set already measured is not measured again.
 
 Before the optimiser's own points, a few known-good starting points are
-probed (:func:`seed_skip_sets`): SWIFT's uniform start (every other layer),
-the same on attention sublayers only, and ASD's ADMG set with the paper's
-values on the calibration prompts' prefill statistics.  Then ``init_points``
-random points, then the optimiser's suggestions (upper confidence bound).
+probed (:func:`seed_skip_sets`): SWIFT's uniform start, ASD's ADMG set, and
+sparser sets ranked by the calibration prompts' per-sublayer cosine
+similarity.  Then ``init_points`` random points, then the optimiser's
+suggestions (upper confidence bound).
 
 Every observation goes to a state file after it is made, so a search stopped
 by Ctrl-C, a time budget or a crash resumes where it was (same model and
@@ -136,8 +136,16 @@ def to_params(skip: SkipSet, num_layers: int) -> list[float]:
 
 
 def seed_skip_sets(num_layers: int, cosine: SublayerCosine | None) -> dict[str, SkipSet]:
-    """Known-good starting points, probed before the optimiser's own (see the module docstring)."""
-    inner = range(1, num_layers - 1)  # SWIFT never skips the first and the last layer
+    """Known-good starting points, probed before the optimiser's own.
+
+    SWIFT's uniform start (every other layer, first and last kept) and the same
+    on attention only; with the calibration prompts' prefill statistics, ASD's
+    ADMG set (paper values) and sparser sets ranked by cosine similarity: the
+    L/8, L/4 and L/2 attention sublayers, and the L/4 sublayers of either kind,
+    whose output changes the hidden state least.  Sparse seeds matter on small
+    models, where skipping half the layers leaves a draft that is never right.
+    """
+    inner = range(1, num_layers - 1)  # never the first and the last layer
     every_other = [i for i in inner if i % 2 == 1]
     seeds = {
         "swift-uniform": SkipSet.of(every_other, every_other),
@@ -145,7 +153,21 @@ def seed_skip_sets(num_layers: int, cosine: SublayerCosine | None) -> dict[str, 
     }
     if cosine is not None:
         seeds["asd-admg"] = admg(cosine, alpha=0.985, m=3, n=2)
-    return {name: s for name, s in seeds.items() if not s.is_empty}
+        attention = sorted(inner, key=lambda i: -cosine.attention[i])
+        for part in (8, 4, 2):
+            k = max(1, num_layers // part)
+            seeds[f"cosine-top-attention-L/{part}"] = SkipSet.of(attention[:k], [])
+        ranked = sorted(
+            [(cosine.attention[i], "attention", i) for i in inner] + [(cosine.mlp[i], "mlp", i) for i in inner],
+            reverse=True,
+        )[: max(1, num_layers // 4)]
+        picked = {kind: [i for _, k, i in ranked if k == kind] for kind in ("attention", "mlp")}
+        seeds["cosine-top-sublayers-L/4"] = SkipSet.of(picked["attention"], picked["mlp"])
+    unique: dict[str, SkipSet] = {}
+    for name, s in seeds.items():
+        if not s.is_empty and s not in unique.values():
+            unique[name] = s
+    return unique
 
 
 # -- measuring a candidate --------------------------------------------------------------------
