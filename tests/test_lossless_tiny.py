@@ -81,12 +81,12 @@ def test_stops_at_eos():
 
 def test_session_carries_draft_threshold_across_prompts(tiny_llama):
     session = selfspec.Session(tiny_llama, "asd")
-    gamma0 = session.draft_policy.gamma
+    gamma0 = session.draft_policy.length.gamma
     session.generate(PROMPT, max_new_tokens=30)
-    gamma1 = session.draft_policy.gamma
+    gamma1 = session.draft_policy.length.gamma
     session.generate("Another prompt about something else entirely.", max_new_tokens=30)
     assert gamma1 != gamma0
-    assert session.draft_policy.gamma != gamma1
+    assert session.draft_policy.length.gamma != gamma1
 
 
 def test_one_prefill_serves_many_decodings(tiny):
@@ -95,7 +95,7 @@ def test_one_prefill_serves_many_decodings(tiny):
     from selfspec.methods import build_policies
 
     ids = tiny.encode(PROMPT)
-    pf = prefill(tiny, ids, max_new_tokens=30, max_draft=12, cosine=True)
+    pf = prefill(tiny, ids, max_new_tokens=30, max_nodes=13, cosine=True)
     runs = [("asd", {}), ("vanilla", {}), ("static", {"skip_set": {"attention": [1, 3], "mlp": [2]}}), ("asd", {})]
     for method, options in runs:
         fresh = selfspec.generate(tiny, PROMPT, method, max_new_tokens=30, **options)

@@ -35,11 +35,34 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-draft", type=int, help="most draft tokens per round (12)")
     g.add_argument("--draft-length", type=int, help="fixed draft length instead of the adaptive exit")
     g.add_argument("--gamma", type=float, help="initial confidence threshold of the adaptive exit (0.6)")
+    g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16"),
+                   help="precision of the draft passes' weights (auto: the cheapest that agrees, measured)")
+    s = p.add_argument_group("swift options (defaults: the paper's, except where noted)")
+    s.add_argument("--state", help="JSON file to load SWIFT's optimiser state from and save it to")
+    s.add_argument("--context-window", type=int, help="tokens scored per optimisation step (32)")
+    s.add_argument("--skip-ratio", help="share of inner sublayers skipped: auto (ours, default) or e.g. 0.45")
+    s.add_argument("--objective", choices=("speed", "matchness"), help="speed (ours, default) or matchness")
+    s.add_argument("--search", choices=("local", "paper"), help="local mutations (ours, default) or paper")
+    s.add_argument("--bo-interval", type=int, help="Bayesian optimisation every N steps (25)")
+    s.add_argument("--max-steps", type=int, help="most optimisation steps (1000)")
+    s.add_argument("--patience", type=int, help="steps without improvement before stopping (300)")
+    s.add_argument("--score-threshold", type=float, help="stop once matchness exceeds this (0.95)")
+    s.add_argument("--budget", type=float, help="most optimisation time as a share of decoding time (ours, 0.1)")
+    s.add_argument("--schedule", choices=("cost", "paper"),
+                   help="draft length and tree width from measured costs (ours, default) or the paper's")
+    s.add_argument("--epsilon", type=float, help="schedule=paper: early-stop threshold (0.8)")
+    s.add_argument("--no-tree", dest="tree", action="store_false", default=None,
+                   help="verify the drafted chain only, no top-k alternatives")
+    s.add_argument("--seed", type=int, help="random seed of the search (0)")
+
+
+OPTION_NAMES = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
+                "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
+                "patience", "score_threshold", "budget", "schedule", "epsilon", "tree", "seed")  # fmt: skip
 
 
 def _method_options(args: argparse.Namespace) -> dict:
-    names = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma")
-    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    return {k: getattr(args, k) for k in OPTION_NAMES if getattr(args, k, None) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with one method (optionally compared with vanilla)")
     _add_model_args(p)
-    p.add_argument("--method", default="asd", help="vanilla, asd, static or selfsd (default asd)")
+    p.add_argument("--method", default="asd", help="vanilla, asd, swift, static or selfsd (default asd)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
@@ -175,6 +198,10 @@ def _print_stats(stats, base, identical) -> None:
         ("acceptance rate", f"{stats.acceptance_rate:.2f}"),
         ("prefill / draft / verify s", f"{stats.prefill_time:.2f} / {stats.draft_time:.2f} / {stats.verify_time:.2f}"),
     ]
+    if stats.optimise_time:
+        rows.append(("optimisation s (SWIFT)", f"{stats.optimise_time:.2f}"))
+    if stats.draft_precision is not None:
+        rows.append(("draft precision", stats.draft_precision))
     if stats.skip_set is not None:
         rows.append(("skipped attention", str(stats.skip_set["attention"])))
         rows.append(("skipped MLP", str(stats.skip_set["mlp"])))

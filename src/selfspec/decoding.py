@@ -1,18 +1,22 @@
-"""The decode loop: vanilla and self-speculative (greedy, chain drafts).
+"""The decode loop: vanilla and self-speculative (greedy; chains and token trees).
 
 One round of self-speculative decoding, as in gpt-fast's speculative step:
 
-1. draft   -- run the model with the policy's skip set, one token at a time,
-              until the draft-length policy says stop;
-2. verify  -- one full-model forward over [last token, draft...];
-3. accept  -- the longest prefix of the draft that equals the full model's
-              argmax, plus the full model's next token (the bonus);
-4. cache   -- commit exactly the accepted entries (rollback = length update);
+0. policy  -- the skip policy may refine its skip set first (SWIFT's
+              optimisation step; a no-op for static sets and ASD);
+1. draft   -- run the model with the skip set, one token at a time, until the
+              draft-length policy says stop; a tree policy may add the
+              draft's next-best tokens as extra leaves (SWIFT);
+2. verify  -- one full-model forward over the linearised tree (a chain is the
+              common case) with a tree attention mask;
+3. accept  -- walk the tree along the full model's argmax: the longest drafted
+              path it agrees with, plus the full model's next token (the bonus);
+4. cache   -- move the accepted path's entries into place and commit them
+              (rollback = length update);
 5. observe -- tell the policies how the round went.
 
 Vanilla decoding is the same loop with no drafter: every round is one
-full-model forward producing one token.  Run ``python -m selfspec.decoding``
-for a smoke test on the default model.
+full-model forward producing one token.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .acceptance import accept_greedy
 from .cache import KVCache
 from .engine import SublayerCosine
 from .errors import InvalidInputError
@@ -45,9 +50,12 @@ class GenerationStats:
     verify_time: float
     total_time: float
     stop_reason: str  # "eos" | "length"
+    optimise_time: float = 0.0  # SWIFT's skip-set optimisation steps
     skip_set: dict[str, Any] | None = None
     cosine: dict[str, list[float]] | None = None  # prefill's per-sublayer cosine, when measured
     accept_lengths: tuple[int, ...] = field(default=(), repr=False)  # accepted drafts per round
+    verified_tokens: int = 0  # tokens through verification passes (tree nodes included)
+    draft_precision: str | None = None
 
     @property
     def mean_generated_length(self) -> float:
@@ -108,12 +116,15 @@ class Prefill:
 
 
 def prefill(
-    model: Model, prompt_ids: list[int], *, max_new_tokens: int = 1, max_draft: int = 0, cosine: bool = False
+    model: Model, prompt_ids: list[int], *, max_new_tokens: int = 1, max_nodes: int = 1, cosine: bool = False
 ) -> Prefill:
-    """Run the full model over ``prompt_ids`` once, with room for decodings up to ``max_new_tokens``."""
+    """Run the full model over ``prompt_ids`` once, with room for decodings up to ``max_new_tokens``.
+
+    ``max_nodes``: the most tokens one verification pass of the decodings will hold.
+    """
     check_lengths(model, len(prompt_ids), max_new_tokens)
     engine = model.engine
-    cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_draft + 1)
+    cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_nodes)
     out: list[SublayerCosine] = []
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
     logits = engine.forward(cache, ids, 0, last_only=True, cosine_out=out if cosine else None)
@@ -126,6 +137,17 @@ def prefill_cosine(model: Model, prompt_ids: list[int]) -> SublayerCosine:
     cos = prefill(model, prompt_ids, cosine=True).cosine
     assert cos is not None
     return cos
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What a skip policy sees before a round (SWIFT scores candidate skip sets on the generated text)."""
+
+    model: Model
+    cache: KVCache
+    prompt_len: int
+    generated: list[int]  # new tokens so far; the last one is pending (not in the cache yet)
+    skip: SkipSet
 
 
 class Decoder:
@@ -144,18 +166,18 @@ class Decoder:
     ) -> None:
         check_lengths(model, len(prompt_ids), max_new_tokens)
         if (skip_policy is None) != (draft_policy is None):
-            raise ValueError("a speculative decoder needs both a skip policy and a draft policy")
+            raise ValueError("a speculative decoder needs both a skip policy and a drafter")
         self.model = model
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
         self.method = method
         self.skip_policy = skip_policy
-        self.draft_policy = draft_policy
+        self.drafter = draft_policy
         self.prefill = prefill
         if prefill is not None:
             if prefill.prompt_ids != tuple(prompt_ids):
                 raise ValueError("the prefill is of another prompt")
-            need = len(prompt_ids) + max_new_tokens + (draft_policy.max_draft if draft_policy else 0) + 1
+            need = len(prompt_ids) + max_new_tokens + self._max_nodes
             if prefill.cache.capacity < need:
                 raise ValueError(
                     f"the prefill's cache holds {prefill.cache.capacity} slots; this decoding needs {need}"
@@ -164,70 +186,83 @@ class Decoder:
                 raise ValueError("this skip policy needs the prefill's cosine statistics: prefill(..., cosine=True)")
         self.stats: GenerationStats | None = None
 
+    @property
+    def _max_nodes(self) -> int:
+        return self.drafter.max_nodes if self.drafter is not None else 1
+
     def __iter__(self) -> Iterator[list[int]]:
         model, engine = self.model, self.model.engine
         device, eos = engine.device, model.eos_token_ids
         speculative = self.skip_policy is not None
-        max_draft = self.draft_policy.max_draft if speculative else 0
+        drafter = self.drafter
         S, N = len(self.prompt_ids), self.max_new_tokens
         t_start = time.perf_counter()
 
-        # 1. prefill with the full model (and the cosine statistics ASD needs), unless given
+        # prefill with the full model (and the cosine statistics ASD needs), unless given
         want_cos = speculative and getattr(self.skip_policy, "needs_cosine", False)
-        pf = self.prefill or prefill(model, self.prompt_ids, max_new_tokens=N, max_draft=max_draft, cosine=want_cos)
+        pf = self.prefill or prefill(model, self.prompt_ids, max_new_tokens=N, max_nodes=self._max_nodes,
+                                     cosine=want_cos)  # fmt: skip
         cache, token = pf.cache, pf.first_token
         cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
         cosine = pf.cosine if want_cos else None
         prefill_time = time.perf_counter() - t_start
         skip: SkipSet | None = None
         if speculative:
+            bind = getattr(self.skip_policy, "bind", None)
+            if bind is not None:
+                bind(model, drafter)
             skip = self.skip_policy.propose(cosine, engine.num_layers)
+            drafter.bind(model, skip)
+        refine = getattr(self.skip_policy, "before_round", None)
 
         out = [token]
-        forwards, draft_forwards, drafted_total, accepted_total = 1, 0, 0, 0
-        draft_time = verify_time = 0.0
+        forwards, draft_forwards, drafted_total, accepted_total, verified = 1, 0, 0, 0, 0
+        draft_time = verify_time = optimise_time = 0.0
         accept_lengths: list[int] = []
         stop_reason = "eos" if token in eos else "length"
         yield [token]
 
         while len(out) < N and token not in eos:
             c = cache.length  # `token` (the last bonus) sits at slot c, not yet in the cache
-            budget = min(max_draft, N - len(out) - 1)  # never draft past max_new_tokens
+            budget = N - len(out) - 1  # never draft past max_new_tokens
 
-            # 2. draft a chain with the skip set
+            # 0. the skip policy may refine its set before the round (SWIFT)
             t0 = time.perf_counter()
-            draft: list[int] = []
-            last = token
-            while len(draft) < budget:
-                ids = torch.tensor([last], dtype=torch.long, device=device)
-                probs = engine.forward(cache, ids, c + len(draft), skip=skip, last_only=True)[-1].softmax(-1)
-                top1 = int(probs.argmax())
-                draft.append(top1)
-                last = top1
-                if self.draft_policy.should_stop(len(draft), float(probs[top1])):
-                    break
+            if refine is not None:
+                new_skip = refine(RoundContext(model, cache, S, out, skip))
+                if new_skip != skip:
+                    skip = new_skip
+                    drafter.bind(model, skip)
             t1 = time.perf_counter()
+            optimise_time += t1 - t0
 
-            # 3. verify every drafted token in one full-model forward
-            ids = torch.tensor([token] + draft, dtype=torch.long, device=device)
-            target = engine.forward(cache, ids, c).argmax(-1).tolist()  # [k+1] full model's greedy choices
-            verify_time += time.perf_counter() - t1
-            draft_time += t1 - t0
+            # 1. draft (a chain, or a tree of candidates)
+            outcome = drafter.draft(model, cache, c, token, skip, budget) if speculative else None
+            t2 = time.perf_counter()
+            tree = outcome.tree if outcome is not None else None
+
+            # 2. verify every candidate in one full-model forward
+            if tree is None or len(tree) == 1:
+                ids = torch.tensor([token], dtype=torch.long, device=device)
+                target = engine.forward(cache, ids, c, last_only=True).argmax(-1).tolist()
+                path, bonus = [0], int(target[-1])
+            else:
+                ids = torch.tensor(tree.tokens, dtype=torch.long, device=device)
+                mask = tree.attention_mask(device)
+                positions = tree.positions(c, device) if mask is not None else None
+                target = engine.forward(cache, ids, c, positions=positions, tree_mask=mask).argmax(-1).tolist()
+                # 3. accept the longest path the full model agrees with, plus its next token
+                path, bonus = accept_greedy(tree, target)
+            t3 = time.perf_counter()
+            draft_time += t2 - t1
+            verify_time += t3 - t2
             forwards += 1
-            draft_forwards += len(draft)
+            verified += len(tree) if tree is not None else 1
 
-            # 4. accept the longest matching prefix plus the bonus token; keep their cache entries
-            a = 0
-            while a < len(draft) and draft[a] == target[a]:
-                a += 1
-            cache.commit(c + 1 + a)
-            new = target[: a + 1]  # == draft[:a] + [bonus]
-            if draft:
-                drafted_total += len(draft)
-                accepted_total += a
-                accept_lengths.append(a)
-                self.draft_policy.observe(len(draft), a)
-                self.skip_policy.observe(len(draft), a)
+            # 4. keep exactly the accepted entries: move the path into place, commit
+            cache.move([c + n for n in path], c)
+            cache.commit(c + len(path))
+            new = [tree.tokens[n] for n in path[1:]] + [bonus] if tree is not None else [bonus]
 
             # 5. stop at EOS or at the length limit
             for i, t in enumerate(new):
@@ -238,8 +273,22 @@ class Decoder:
             new = new[: N - len(out)]
             out.extend(new)
             token = new[-1]
+
+            # 6. observe
+            if speculative:
+                if outcome is not None and outcome.steps:
+                    drafted_total += outcome.steps
+                    draft_forwards += outcome.steps
+                    accepted_total += len(path) - 1
+                    accept_lengths.append(len(path) - 1)
+                    self.skip_policy.observe(outcome.steps, len(path) - 1)
+                drafter.observe(outcome, path, tokens=len(new), round_ms=1000 * (time.perf_counter() - t1),
+                                draft_ms=1000 * (t2 - t1), verify_ms=1000 * (t3 - t2))  # fmt: skip
             yield new
 
+        finish = getattr(self.skip_policy, "finish", None)
+        if finish is not None:
+            finish()
         self.stats = GenerationStats(
             method=self.method,
             prompt_tokens=S,
@@ -253,7 +302,10 @@ class Decoder:
             verify_time=verify_time,
             total_time=time.perf_counter() - t_start,
             stop_reason=stop_reason if out[-1] in eos else "length",
+            optimise_time=optimise_time,
             skip_set=skip.to_dict() if skip is not None else None,
             cosine={"attention": list(cosine.attention), "mlp": list(cosine.mlp)} if cosine else None,
             accept_lengths=tuple(accept_lengths),
+            verified_tokens=verified,
+            draft_precision=drafter.precision(model) if speculative else None,
         )

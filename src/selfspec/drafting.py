@@ -1,21 +1,63 @@
-"""Draft-length policies: when to stop drafting and hand over to verification.
+"""Drafting: how many tokens to draft, which alternatives to add, and the draft loop itself.
+
+Draft-length policies decide after each drafted token whether to go on:
 
 * :class:`AdaptiveDraftExit` -- Draft & Verify's adaptive draft exiting
   (Zhang et al. 2024, section 3.4): stop when the draft's top-1 probability
   falls below a threshold gamma that is itself tuned after every verification
   towards a target acceptance rate.  State carries over between prompts.
+* :class:`ConfidenceExit` -- SWIFT's early-stop drafting: stop when the top-1
+  probability falls below a fixed epsilon (0.8), or at ``max_draft`` (25).
 * :class:`FixedDraftLength` -- always draft k tokens.
+* :class:`CostAwareExit` -- ours: go on while the next token is expected to
+  pay for its draft step and its extra verification cost (see
+  :mod:`selfspec.economy`); may also decide that a round is better spent
+  without drafting at all.
+
+Tree policies decide which of the draft's next-best tokens join the drafted
+chain as extra leaves (SWIFT's dynamic verification):
+
+* :class:`PaperTreeWidths` -- SWIFT's schedule: k = 10, 5, 3, 1 candidates at
+  a depth whose top-1 probability lies in (0, .5], (.5, .8], (.8, .95], (.95, 1];
+* :class:`CostAwareTreeWidths` -- ours: add leaves by expected gain while each
+  pays for the extra verification cost measured on this machine.
+
+:func:`draft_round` runs the draft model once per token along the chain and
+returns the :class:`~selfspec.trees.DraftTree` to verify.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+
+from .economy import Economy
 from .errors import InvalidInputError
+from .skipset import SkipSet
+from .trees import DraftTree
+
+# -- draft-length policies ---------------------------------------------------------------------
+
+
+class LengthPolicy:
+    """Base: ``begin_round`` before drafting (False: skip drafting this round), ``should_stop`` after each token."""
+
+    max_draft: int = 12
+    economy: Economy | None = None
+
+    def begin_round(self) -> bool:
+        return True
+
+    def should_stop(self, drafted: int, top1_prob: float) -> bool:
+        raise NotImplementedError
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
 
 
 @dataclass
-class AdaptiveDraftExit:
+class AdaptiveDraftExit(LengthPolicy):
     """D&V's rule with its published values (DESIGN.md section 3)."""
 
     gamma: float = 0.6  # confidence threshold; a token below it is kept, then drafting stops
@@ -29,8 +71,7 @@ class AdaptiveDraftExit:
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:
             raise InvalidInputError(f"gamma must be in [0, 1], got {self.gamma}")
-        if self.max_draft < 1:
-            raise InvalidInputError(f"max_draft must be >= 1, got {self.max_draft}")
+        _check_max_draft(self.max_draft)
 
     def should_stop(self, drafted: int, top1_prob: float) -> bool:
         return drafted >= self.max_draft or top1_prob < self.gamma
@@ -47,7 +88,23 @@ class AdaptiveDraftExit:
 
 
 @dataclass
-class FixedDraftLength:
+class ConfidenceExit(LengthPolicy):
+    """SWIFT's early-stop drafting (epsilon 0.8 and 25 steps in the authors' code)."""
+
+    epsilon: float = 0.8
+    max_draft: int = 25
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise InvalidInputError(f"epsilon must be in [0, 1], got {self.epsilon}")
+        _check_max_draft(self.max_draft)
+
+    def should_stop(self, drafted: int, top1_prob: float) -> bool:
+        return drafted >= self.max_draft or top1_prob < self.epsilon
+
+
+@dataclass
+class FixedDraftLength(LengthPolicy):
     k: int = 4
 
     def __post_init__(self) -> None:
@@ -55,11 +112,287 @@ class FixedDraftLength:
             raise InvalidInputError(f"draft_length must be >= 1, got {self.k}")
 
     @property
-    def max_draft(self) -> int:
+    def max_draft(self) -> int:  # type: ignore[override]
         return self.k
 
     def should_stop(self, drafted: int, top1_prob: float) -> bool:
         return drafted >= self.k
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        pass
+
+@dataclass
+class CostAwareExit(LengthPolicy):
+    """Draft while the next token is worth its cost; skip drafting in rounds where even one is not.
+
+    After a round without drafting, every ``explore_every``-th round drafts
+    anyway, so that a draft model that got better (SWIFT found a better skip
+    set, the text became easier) is noticed.
+    """
+
+    max_draft: int = 16
+    explore_every: int = 8
+    _path_prob: float = field(default=1.0, repr=False)
+    _idle_rounds: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_max_draft(self.max_draft)
+
+    def begin_round(self) -> bool:
+        self._path_prob = 1.0
+        econ = self.economy
+        if econ is None or econ.worth_drafting():
+            self._idle_rounds = 0
+            return True
+        self._idle_rounds += 1
+        if self._idle_rounds >= self.explore_every:
+            self._idle_rounds = 0
+            return True
+        return False
+
+    def should_stop(self, drafted: int, top1_prob: float) -> bool:
+        if drafted >= self.max_draft:
+            return True
+        econ = self.economy
+        if econ is None:
+            return top1_prob < 0.5
+        kept = econ.chain.prob(top1_prob)
+        self._path_prob *= kept
+        # the next token's acceptance is unknown until drafted; this one's is the best guess
+        horizon = self.max_draft - drafted
+        return not econ.worth_another_draft(self._path_prob, kept, tree_size=drafted + 1, horizon=horizon)
+
+
+def _check_max_draft(n: int) -> None:
+    if n < 1:
+        raise InvalidInputError(f"max_draft must be >= 1, got {n}")
+
+
+# -- tree policies -----------------------------------------------------------------------------
+
+MAX_WIDTH = 10  # most candidates per depth (top-1 included), as in SWIFT
+
+
+class TreePolicy:
+    """Picks, per depth of the drafted chain, which alternative tokens become extra leaves."""
+
+    width = MAX_WIDTH
+    economy: Economy | None = None
+    max_leaves = 0
+
+    def choose(self, chain_probs: list[float], alternatives: list[list[tuple[int, float]]]) -> list[list[int]]:
+        raise NotImplementedError
+
+
+@dataclass
+class PaperTreeWidths(TreePolicy):
+    """SWIFT's confidence bands: k candidates (top-1 included) by the depth's top-1 probability."""
+
+    bands: tuple[tuple[float, int], ...] = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
+    max_leaves: int = 25 * (MAX_WIDTH - 1)
+
+    def choose(self, chain_probs, alternatives):
+        out = []
+        for p, alts in zip(chain_probs, alternatives, strict=True):
+            k = next((k for upper, k in self.bands if p <= upper), 1)
+            out.append([tok for tok, _ in alts[: k - 1]])
+        return out
+
+
+@dataclass
+class CostAwareTreeWidths(TreePolicy):
+    """Leaves by expected gain P(path to the depth is kept) * P(leaf is kept), while each pays its way."""
+
+    max_leaves: int = 16
+
+    def choose(self, chain_probs, alternatives):
+        econ = self.economy
+        out: list[list[int]] = [[] for _ in chain_probs]
+        if econ is None:
+            return out
+        candidates = []
+        path = 1.0  # P(the chain up to the previous depth is kept)
+        for depth, (p, alts) in enumerate(zip(chain_probs, alternatives, strict=True)):
+            for tok, q in alts:
+                candidates.append((path * econ.leaves.prob(q), depth, tok))
+            path *= econ.chain.prob(p)
+        candidates.sort(reverse=True)
+        size = 1 + len(chain_probs)
+        for gain, depth, tok in candidates[: self.max_leaves]:
+            if not econ.worth_leaf(gain, size):
+                break
+            out[depth].append(tok)
+            size += 1
+        return out
+
+
+# -- the draft loop ----------------------------------------------------------------------------
+
+
+@dataclass
+class DraftOutcome:
+    tree: DraftTree
+    chain_probs: list[float]  # top-1 probability of each drafted chain token
+    leaf_probs: dict[int, float]  # node index -> draft probability, for the alternative leaves
+    steps: int  # draft forward passes
+
+
+@torch.inference_mode()
+def draft_round(
+    engine,
+    cache,
+    start: int,
+    root: int,
+    *,
+    skip: SkipSet,
+    budget: int,
+    length: LengthPolicy,
+    tree: TreePolicy | None = None,
+    precision: torch.dtype | None = None,
+) -> DraftOutcome:
+    """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``), greedily.
+
+    The draft passes write their keys and values beyond the committed length;
+    the verification pass overwrites them.
+    """
+    device = engine.device
+    chain: list[int] = []
+    chain_probs: list[float] = []
+    alternatives: list[list[tuple[int, float]]] = []
+    width = tree.width if tree is not None else 1
+    last = root
+    while len(chain) < budget:
+        ids = torch.tensor([last], dtype=torch.long, device=device)
+        logits = engine.forward(cache, ids, start + len(chain), skip=skip, last_only=True, precision=precision)
+        probs = logits[-1].float().softmax(-1)  # [V]
+        top = probs.topk(width)
+        toks, ps = top.indices.tolist(), top.values.tolist()
+        chain.append(toks[0])
+        chain_probs.append(ps[0])
+        alternatives.append(list(zip(toks[1:], ps[1:], strict=True)))
+        last = toks[0]
+        if length.should_stop(len(chain), ps[0]):
+            break
+    steps = len(chain)
+    if tree is None or not chain:
+        return DraftOutcome(DraftTree.chain(root, chain), chain_probs, {}, steps)
+
+    leaves = tree.choose(chain_probs, alternatives)
+    tokens = [root, *chain]
+    parents = list(range(-1, len(chain)))
+    leaf_probs: dict[int, float] = {}
+    for depth, toks in enumerate(leaves):  # leaves at depth+1 hang below chain node `depth` (0 = root)
+        probs_by_tok = dict(alternatives[depth])
+        for tok in toks:
+            leaf_probs[len(tokens)] = probs_by_tok[tok]
+            tokens.append(tok)
+            parents.append(depth)
+    return DraftOutcome(DraftTree(tuple(tokens), tuple(parents)), chain_probs, leaf_probs, steps)
+
+
+# -- the drafter: policies, precision and economy of one method ----------------------------------
+
+DRAFT_DTYPES = ("auto", "same", "float16", "bfloat16")
+
+
+@dataclass
+class Drafter:
+    """What a method drafts with: length and tree policies, the draft precision, and the economy they share.
+
+    ``dtype`` is the precision of the draft passes' linear layers: ``same``
+    (the model's own, as in the papers), ``float16`` / ``bfloat16`` (a copy of
+    the weights, see :mod:`selfspec.kernels`), or ``auto``: the cheapest one
+    the model's cost profile shows to agree with the full model.  Output stays
+    exactly the full model's whatever the choice; only speed changes.
+    """
+
+    length: LengthPolicy
+    tree: TreePolicy | None = None
+    dtype: str = "auto"
+    economy: Economy | None = None
+    _precision: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DRAFT_DTYPES:
+            raise InvalidInputError(f"draft_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def max_draft(self) -> int:
+        return self.length.max_draft
+
+    @property
+    def max_nodes(self) -> int:
+        """Most tokens one verification pass can hold: root, chain and leaves."""
+        return 1 + self.max_draft + (self.tree.max_leaves if self.tree is not None else 0)
+
+    @property
+    def needs_profile(self) -> bool:
+        cost_aware = isinstance(self.length, CostAwareExit) or isinstance(self.tree, CostAwareTreeWidths)
+        return cost_aware or self.dtype == "auto"
+
+    def precision(self, model) -> str:
+        """The draft precision name for ``model`` (``auto`` resolved once, from the cost profile)."""
+        if self._precision is None:
+            if self.dtype == "auto":
+                from .costs import cost_profile
+
+                self._precision = cost_profile(model).best_precision()
+            else:
+                self._precision = self.dtype
+        return self._precision
+
+    def torch_dtype(self, model) -> torch.dtype | None:
+        from .costs import PRECISIONS
+
+        dtype = PRECISIONS[self.precision(model)]
+        return None if dtype is None or dtype == model.adapter.dtype else dtype
+
+    def bind(self, model, skip: SkipSet) -> None:
+        """Before a prompt: set up the economy (cost-aware policies) for this draft model."""
+        if not self.needs_profile:
+            return
+        from .costs import cost_profile
+
+        profile = cost_profile(model)
+        predicted = profile.draft_step(skip, self.precision(model) if self.precision(model) in profile.drafts else "same")
+        if self.economy is None or self.economy.profile is not profile:
+            self.economy = Economy(profile, predicted)
+        else:
+            self.economy.rebind(predicted)
+        self.length.economy = self.economy
+        if self.tree is not None:
+            self.tree.economy = self.economy
+
+    def draft(self, model, cache, start: int, root: int, skip: SkipSet, budget: int) -> DraftOutcome | None:
+        """One round's draft, or None when the length policy says this round is better spent without one."""
+        if budget < 1 or not self.length.begin_round():
+            return None
+        return draft_round(
+            model.engine, cache, start, root, skip=skip, budget=budget, length=self.length, tree=self.tree,
+            precision=self.torch_dtype(model),
+        )  # fmt: skip
+
+    def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
+                draft_ms: float, verify_ms: float) -> None:  # fmt: skip
+        """Tell the policies and the economy how the round went (``path``: accepted nodes, root included)."""
+        econ = self.economy
+        if outcome is None:
+            if econ is not None:
+                econ.observe(tokens=tokens, round_ms=round_ms, draft_steps=0, draft_ms=0.0, verified=1,
+                             verify_ms=verify_ms, first_kept=None)  # fmt: skip
+            return
+        tree = outcome.tree
+        drafted, accepted = outcome.steps, len(path) - 1
+        self.length.observe(drafted, accepted)
+        if econ is None:
+            return
+        on_path = set(path)
+        depths = tree.depths
+        for node in range(1, len(tree)):
+            if tree.parents[node] not in on_path:
+                continue  # never reached: says nothing about this node
+            kept = node in on_path
+            if node in outcome.leaf_probs:
+                econ.leaves.update(outcome.leaf_probs[node], kept)
+            else:
+                econ.chain.update(outcome.chain_probs[depths[node] - 1], kept)
+        econ.observe(tokens=tokens, round_ms=round_ms, draft_steps=outcome.steps, draft_ms=draft_ms,
+                     verified=len(tree), verify_ms=verify_ms, first_kept=accepted > 0)  # fmt: skip

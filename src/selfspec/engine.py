@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from .adapters import LlamaAdapter
 from .cache import KVCache
 from .skipset import NO_SKIP, SkipSet
@@ -53,21 +54,34 @@ class Engine:
         tree_mask: torch.Tensor | None = None,
         last_only: bool = False,
         cosine_out: list | None = None,
+        visible: int | None = None,
+        precision: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
 
         The new tokens are written at cache slots ``[start, start+T)`` and attend
         to slots ``[0, start)`` plus, among themselves, what ``tree_mask``
         ``[T, T]`` allows (causal when None).  ``positions`` default to the slots.
+        ``visible`` (default ``start``) narrows the old slots they attend to to
+        ``[0, visible)``: a draft scored teacher-forced on already committed
+        tokens (SWIFT's matchness) must not see the full model's entries of them.
+        ``precision`` (drafts only) computes the linear layers with weights in
+        that dtype (see :func:`selfspec.kernels.draft_precision`).
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
         """
+        if precision is not None:
+            with kernels.draft_precision(precision):
+                return self.forward(
+                    cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask,
+                    last_only=last_only, cosine_out=cosine_out, visible=visible,
+                )  # fmt: skip
         T = input_ids.shape[0]
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
         adapter = self.adapter
         h = adapter.embed(input_ids.view(1, T))  # [1, T, H]
         ropes = adapter.rotary(h, positions.view(1, T))
-        masks = self._masks(start, positions, tree_mask)
+        masks = self._masks(start, positions, tree_mask, start if visible is None else visible)
         kv = cache.writer(start)
         collect = cosine_out is not None
         attn_cos = [float("nan")] * self.num_layers
@@ -89,17 +103,19 @@ class Engine:
             h = h[:, -1:]
         return adapter.head(h)[0]  # [T, V]
 
-    def _masks(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None) -> dict:
+    def _masks(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None, visible: int) -> dict:
         """Boolean attention masks ``[1, 1, T, start+T]`` keyed by sliding window (None = full)."""
         T = positions.shape[0]
         windows = set(self._windows)
         last_pos = start + T - 1 if tree_mask is None else int(positions.max())
         window_bites = any(w is not None and last_pos + 1 > w for w in windows)
-        if T == 1 and not window_bites:
+        if T == 1 and not window_bites and visible == start:
             return dict.fromkeys(windows)  # one query attending to every key: no mask needed
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_()
-        base = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), tree_mask], dim=1)
+        old = torch.zeros(T, start, dtype=torch.bool, device=self.device)
+        old[:, :visible] = True
+        base = torch.cat([old, tree_mask], dim=1)
         masks: dict = {}
         key_pos = torch.cat([torch.arange(start, device=self.device), positions])
         for w in windows:

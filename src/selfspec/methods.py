@@ -11,15 +11,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .drafting import AdaptiveDraftExit, FixedDraftLength
+from .drafting import (
+    DRAFT_DTYPES,
+    AdaptiveDraftExit,
+    ConfidenceExit,
+    CostAwareExit,
+    CostAwareTreeWidths,
+    Drafter,
+    FixedDraftLength,
+    PaperTreeWidths,
+)
 from .errors import InvalidInputError
 from .policies import ASD_VARIANTS, AsdPolicy, StaticPolicy
 from .skipset import SkipSet
+from .swift import SwiftConfig, SwiftPolicy
 
 DRAFT_OPTIONS = {
     "max_draft": "most tokens drafted per round (default 12)",
     "draft_length": "draft exactly this many tokens per round instead of D&V's adaptive exit",
     "gamma": "initial confidence threshold of the adaptive exit (default 0.6)",
+    "draft_dtype": "precision of the draft passes' weights: " + ", ".join(DRAFT_DTYPES)
+    + " (default auto: the cheapest one that agrees with the full model, measured once per model)",
 }
 
 
@@ -29,6 +41,7 @@ class MethodSpec:
     summary: str
     options: dict[str, str]
     build_skip_policy: Callable[[dict[str, Any]], Any] | None
+    build_drafter: Callable[[dict[str, Any]], Drafter] | None = None  # default: D&V's chain drafting
 
 
 def _asd(opts: dict[str, Any]) -> AsdPolicy:
@@ -73,6 +86,70 @@ METHODS: dict[str, MethodSpec] = {
         _static,
     ),
 }
+
+
+
+def _swift(opts: dict[str, Any]) -> SwiftPolicy:
+    keys = ("context_window", "skip_ratio", "objective", "bo_interval", "max_steps", "patience", "score_threshold",
+            "search", "budget", "seed")  # fmt: skip
+    config = SwiftConfig(**{k: opts[k] for k in keys if k in opts})
+    return SwiftPolicy(config, state_path=opts.get("state"))
+
+
+def _swift_drafter(opts: dict[str, Any]) -> Drafter:
+    """SWIFT's drafting: early-stop chain + top-k leaves; by measured costs, or the paper's schedule."""
+    schedule = str(opts.get("schedule", "cost"))
+    if schedule not in ("cost", "paper"):
+        raise InvalidInputError(f"schedule must be 'cost' or 'paper', got {schedule!r}")
+    if "draft_length" in opts:
+        length = FixedDraftLength(int(opts["draft_length"]))
+    elif schedule == "paper":
+        length = ConfidenceExit(epsilon=float(opts.get("epsilon", 0.8)), max_draft=int(opts.get("max_draft", 25)))
+    else:
+        length = CostAwareExit(max_draft=int(opts.get("max_draft", 16)))
+    tree = None
+    if _flag(opts.get("tree", True)):
+        tree = PaperTreeWidths() if schedule == "paper" else CostAwareTreeWidths()
+    return Drafter(length, tree, str(opts.get("draft_dtype", "auto")))
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise InvalidInputError(f"expected true or false, got {value!r}")
+        return value.lower() in ("true", "1", "yes")
+    return bool(value)
+
+
+METHODS["swift"] = MethodSpec(
+    "swift",
+    "SWIFT: skip set optimised on the fly from the generated text; early-stop drafting; token trees",
+    {
+        "context_window": "tokens of a response scored per optimisation step (default 32)",
+        "skip_ratio": "share of inner sublayers skipped: 'auto' (default: adapts, by predicted speed) or a number "
+        "(the paper: 0.45)",
+        "objective": "'speed' (default: predicted from matchness and measured costs) or 'matchness' (the paper; "
+        "needs a fixed skip_ratio)",
+        "search": "'local' (default: mutate the best set) or 'paper' (fresh random sets at the ratio)",
+        "bo_interval": "a Bayesian optimisation proposal every this many steps (default 25)",
+        "max_steps": "stop optimising after this many steps (default 1000)",
+        "patience": "... or after this many steps without improvement (default 300)",
+        "score_threshold": "... or once the best set's matchness exceeds this (default 0.95)",
+        "budget": "most optimisation time as a share of decoding time (default 0.1)",
+        "seed": "random seed of the search (default 0)",
+        "state": "JSON file to load the optimiser's state from and save it to (keyed by model)",
+        "schedule": "'cost' (default: draft length and tree width from measured costs) or 'paper' "
+        "(epsilon 0.8, max 25 drafts, k = 10/5/3/1 by confidence)",
+        "tree": "verify top-k alternatives as a token tree (default true)",
+        "epsilon": "schedule=paper: stop drafting below this top-1 probability (default 0.8)",
+        "max_draft": "most tokens drafted per round (default 16; paper schedule 25)",
+        "draft_length": "draft exactly this many tokens per round",
+        "draft_dtype": DRAFT_OPTIONS["draft_dtype"],
+    },
+    _swift,
+    _swift_drafter,
+)
+
 # Self-SD (Draft & Verify): a static skip set, typically one found by `selfspec search`
 METHODS["selfsd"] = MethodSpec(
     "selfsd",
@@ -96,12 +173,16 @@ def build_policies(method: str, options: dict[str, Any]):
         return None, None
     try:
         skip_policy = spec.build_skip_policy(opts)
-        if "draft_length" in opts:
-            draft_policy = FixedDraftLength(int(opts["draft_length"]))
-        else:
-            draft_policy = AdaptiveDraftExit(
-                gamma=float(opts.get("gamma", 0.6)), max_draft=int(opts.get("max_draft", 12))
-            )
+        drafter = (spec.build_drafter or _chain_drafter)(opts)
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"method '{method}': bad option value: {exc}") from None
-    return skip_policy, draft_policy
+    return skip_policy, drafter
+
+
+def _chain_drafter(opts: dict[str, Any]) -> Drafter:
+    """Draft & Verify's drafting (ASD, static, selfsd): a chain, adaptive exit or a fixed length."""
+    if "draft_length" in opts:
+        length = FixedDraftLength(int(opts["draft_length"]))
+    else:
+        length = AdaptiveDraftExit(gamma=float(opts.get("gamma", 0.6)), max_draft=int(opts.get("max_draft", 12)))
+    return Drafter(length, None, str(opts.get("draft_dtype", "auto")))

@@ -188,14 +188,14 @@ class Calibration:
     prompt pass is the full model's whatever the skip set, so it is neither repeated nor timed.
     """
 
-    def __init__(self, model: Model, prompts: Sequence[PromptItem], max_new_tokens: int, max_draft: int) -> None:
+    def __init__(self, model: Model, prompts: Sequence[PromptItem], max_new_tokens: int, max_nodes: int) -> None:
         if not prompts:
             raise InvalidInputError("the search needs at least one calibration prompt")
         self.model = model
         self.max_new_tokens = max_new_tokens
         ids = [model.encode(item.prompt) for item in prompts]
         self.prefills = [
-            prefill(model, p, max_new_tokens=max_new_tokens, max_draft=max_draft, cosine=True) for p in ids
+            prefill(model, p, max_new_tokens=max_new_tokens, max_nodes=max_nodes, cosine=True) for p in ids
         ]
 
     def cosine(self) -> SublayerCosine:
@@ -268,15 +268,16 @@ def search_skip_set(
     if time_budget is not None and time_budget <= 0:
         raise InvalidInputError(f"time budget must be > 0 seconds, got {time_budget}")
     draft_options = dict(draft_options or {})
-    unknown = sorted(set(draft_options) - {"max_draft", "gamma", "draft_length"})
+    valid = ("max_draft", "gamma", "draft_length", "draft_dtype")
+    unknown = sorted(set(draft_options) - set(valid))
     if unknown:
-        raise InvalidInputError(f"unknown draft option(s) {', '.join(unknown)}; valid: max_draft, gamma, draft_length")
+        raise InvalidInputError(f"unknown draft option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     _, draft_policy = build_policies("static", {"skip_set": SkipSet(), **draft_options})  # checks the values
     out = Path(out)
     state_path = Path(state_path) if state_path is not None else out.with_name(out.name + ".state.json")
     L = model.num_layers
     calibration_info = {**(calibration_info or {}), "prompts": len(prompts), "max_new_tokens": max_new_tokens}
-    calib = Calibration(model, prompts, max_new_tokens, draft_policy.max_draft)
+    calib = Calibration(model, prompts, max_new_tokens, draft_policy.max_nodes)
 
     if state_path.exists():
         state = SearchState.load(state_path)

@@ -55,7 +55,7 @@ def _pct(v: float | None) -> str:
 def _shares(s: dict[str, float] | None) -> str:
     if not s:
         return "–"
-    return "/".join(f"{100 * s[k]:.0f}" for k in ("prefill", "draft", "verify", "other"))
+    return "/".join(f"{100 * s.get(k, 0.0):.0f}" for k in ("prefill", "draft", "verify", "optimise", "other"))
 
 
 def _mem(row: MethodSummary) -> str:
@@ -85,7 +85,7 @@ COLUMNS = (
     "c",
     "E (eq. 6)",
     "E/v",
-    "prefill/draft/verify/other %",
+    "prefill/draft/verify/optimise/other %",
     "peak RSS MB (+delta)",
     "lossless",
 )

@@ -15,8 +15,8 @@ and its reference succeeded:
   report v = verify forward time / vanilla's decode-step time and E / v, the
   eq. 6 estimate with verification priced as measured (prefill and loop
   overheads still left out);
-* time shares: prefill, draft, verify (vanilla: its decode steps) and the
-  rest, as fractions of the decoder's own total time;
+* time shares: prefill, draft, verify (vanilla: its decode steps), optimise
+  (SWIFT's optimisation steps) and the rest, as fractions of the decoder's own total time;
 * lossless: every output token-identical to vanilla's on the same prompt.
 """
 
@@ -56,7 +56,7 @@ class MethodSummary:
     expected_speedup: float | None  # SWIFT eq. 6
     verify_cost: float | None  # v: verify forward / vanilla decode step
     expected_speedup_verify_adjusted: float | None  # E / v
-    time_shares: dict[str, float] | None  # prefill, draft, verify, other
+    time_shares: dict[str, float] | None  # prefill, draft, verify, optimise, other
     peak_rss_mb: float | None
     rss_delta_mb: float | None
     memory_ratio: float | None  # peak RSS / vanilla's peak RSS
@@ -196,7 +196,7 @@ def summarize_method(
     total = _sum(ok, "total_time")
     shares = None
     if total > 0:
-        parts = {k: _sum(ok, f"{k}_time") / total for k in ("prefill", "draft", "verify")}
+        parts = {k: _sum(ok, f"{k}_time") / total for k in ("prefill", "draft", "verify", "optimise")}
         parts["other"] = max(0.0, 1.0 - sum(parts.values()))
         shares = parts
 

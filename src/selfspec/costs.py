@@ -1,0 +1,267 @@
+"""Measured costs of the forward pass on this machine, profiled once per model and cached.
+
+Speculative decoding trades draft work for fewer full-model passes; where the
+trade pays depends on the hardware.  On a GPU a pass over 8 tokens costs about
+what a pass over 1 costs; on our 2-core CPU it costs 1.5-2x (DESIGN.md section
+4).  Draft lengths, tree widths and skip sets are therefore chosen from a
+:class:`CostProfile` measured here, not from constants of GPU papers:
+
+* ``forward_ms[T]``: one full-model pass over T new tokens (T = 1..64);
+* per draft precision (the model's own dtype, and float16 / bfloat16 copies
+  of the linear weights, see :mod:`selfspec.kernels`): what one attention /
+  MLP sublayer adds to a one-token pass (averaged over the layers), the rest
+  (embedding, final norm, LM head), so a draft's cost is predicted from its
+  skip set, and how often its greedy token agrees with the full model's on a
+  text (a precision that overflows, as float16 does on some models, shows
+  here and is not used).
+
+The profile is cached as JSON under ``$SELFSPEC_CACHE/profiles`` keyed by the
+model, its shape, device, dtype, thread count and torch version; delete the
+file (or ``python -m selfspec.costs MODEL --force``) to re-measure.  Timings
+are noisy on shared machines: every figure is the lower quartile of repeated,
+interleaved runs, and ``forward_ms`` is made non-decreasing in T.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .skipset import SkipSet
+
+PROFILE_VERSION = 3
+GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
+PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MIN_AGREEMENT = 0.9  # a draft precision must reproduce at least this share of the full model's greedy tokens
+MIN_SAVING = 0.15  # ... and make a one-token pass at least this much cheaper, for "auto" to pick it
+
+# A neutral text for the agreement check (any tokenizer can encode it).
+_TEXT = (
+    "The committee met on Tuesday to discuss the new budget. Several members argued that the funds for "
+    "public transport should be increased, while others wanted to lower taxes. After a long debate, they "
+    "agreed to publish a report next month. def add(a, b):\n    return a + b\n"
+)
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """One-token pass costs in one draft precision."""
+
+    attention_ms: float  # per attention sublayer
+    mlp_ms: float  # per MLP sublayer
+    base_ms: float  # embedding + final norm + LM head
+    agreement: float  # share of positions where its greedy token equals the full model's
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    key: str
+    forward_ms: dict[int, float]  # T -> ms of one full-model pass over T new tokens
+    drafts: dict[str, DraftCosts]  # precision name ("same", "float16", ...) -> costs
+    num_layers: int
+
+    def forward(self, tokens: int) -> float:
+        """ms of a full-model pass over ``tokens`` new tokens (linear interpolation, extrapolated past 64)."""
+        grid = sorted(self.forward_ms)
+        if tokens <= grid[0]:
+            return self.forward_ms[grid[0]]
+        for lo, hi in zip(grid, grid[1:], strict=False):
+            if tokens <= hi:
+                f = (tokens - lo) / (hi - lo)
+                return self.forward_ms[lo] + f * (self.forward_ms[hi] - self.forward_ms[lo])
+        lo, hi = grid[-2], grid[-1]
+        slope = (self.forward_ms[hi] - self.forward_ms[lo]) / (hi - lo)
+        return self.forward_ms[hi] + slope * (tokens - hi)
+
+    def draft_step(self, skip: SkipSet, precision: str = "same") -> float:
+        """Predicted ms of a one-token draft pass with ``skip`` in ``precision``."""
+        c = self.drafts[precision]
+        kept_attn = self.num_layers - len(skip.attention)
+        kept_mlp = self.num_layers - len(skip.mlp)
+        return c.base_ms + kept_attn * c.attention_ms + kept_mlp * c.mlp_ms
+
+    def draft_ratio(self, skip: SkipSet, precision: str = "same") -> float:
+        """c: draft step cost / full one-token pass."""
+        return self.draft_step(skip, precision) / self.forward(1)
+
+    def best_precision(self) -> str:
+        """The draft precision "auto" means: the cheapest that agrees with the full model and saves enough."""
+        same_ms = self.draft_step(SkipSet(), "same")
+        best, best_ms = "same", same_ms
+        for name, c in self.drafts.items():
+            ms = self.draft_step(SkipSet(), name)
+            if c.agreement >= MIN_AGREEMENT and ms <= (1 - MIN_SAVING) * same_ms and ms < best_ms:
+                best, best_ms = name, ms
+        return best
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["forward_ms"] = {str(k): v for k, v in self.forward_ms.items()}
+        d["version"] = PROFILE_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostProfile:
+        d = dict(d)
+        if d.pop("version", None) != PROFILE_VERSION:
+            raise ValueError("profile version")
+        d["forward_ms"] = {int(k): float(v) for k, v in d["forward_ms"].items()}
+        d["drafts"] = {k: DraftCosts(**v) for k, v in d["drafts"].items()}
+        return cls(**d)
+
+
+def profile_key(model) -> str:
+    cfg = model.hf.config
+    shape = f"{cfg.model_type}-{model.num_layers}x{cfg.hidden_size}-v{model.adapter.vocab_size}"
+    place = f"{model.adapter.device}-{str(model.adapter.dtype).replace('torch.', '')}-t{torch.get_num_threads()}"
+    digest = hashlib.sha1(f"{model.name}|{shape}|{place}|{torch.__version__}".encode()).hexdigest()[:10]
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model.name.split("/")[-1])
+    return f"{safe}-{shape}-{place}-{digest}"
+
+
+def _profile_dir() -> Path:
+    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec")) / "profiles"
+
+
+_MEMORY: dict[str, CostProfile] = {}
+
+
+def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfile:
+    """The model's profile: from memory, from the disk cache, or measured now (a few seconds) and saved."""
+    key = profile_key(model)
+    if not force and key in _MEMORY:
+        return _MEMORY[key]
+    path = _profile_dir() / f"{key}.json"
+    prof = None
+    if cache and not force and path.is_file():
+        try:
+            prof = CostProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            prof = None  # stale or damaged: measure again
+    if prof is None:
+        prof = measure_profile(model, key=key)
+        if cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(prof.to_dict(), indent=1) + "\n")
+            tmp.replace(path)
+    _MEMORY[key] = prof
+    return prof
+
+
+@torch.inference_mode()
+def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) -> CostProfile:
+    """Time full passes over 1..64 tokens, and one-token draft passes per precision with sublayers left out."""
+    engine = model.engine
+    L = model.num_layers
+    context = max(8, min(context, model.max_context // 2 - max(GRID)))
+    text_ids = _text_ids(model, context)
+    cache = engine.new_cache(context + max(GRID))
+    full_logits = engine.forward(cache, text_ids, 0)  # [context, V]
+    cache.commit(context)
+    vocab = model.adapter.vocab_size
+    gen = random.Random(0)
+
+    precisions = {n: d for n, d in PRECISIONS.items() if d is None or d != model.adapter.dtype}
+    agreement = {"same": 1.0}
+    for name, dtype in precisions.items():
+        if dtype is not None:
+            scratch = engine.new_cache(context)
+            logits = engine.forward(scratch, text_ids, 0, precision=dtype)
+            agreement[name] = float((logits.argmax(-1) == full_logits.argmax(-1)).float().mean())
+
+    configs: dict[str, tuple[int, SkipSet, torch.dtype | None]] = {f"T{t}": (t, SkipSet(), None) for t in GRID}
+    # Half the sublayers of a kind left out, not all: a pass with no attention at all drives some models'
+    # hidden states to values where low-precision arithmetic slows down (seen: 70 ms instead of 18).
+    half = range(0, L, 2)
+    for name, dtype in precisions.items():
+        configs[f"{name}/all"] = (1, SkipSet(), dtype)
+        configs[f"{name}/half-attention"] = (1, SkipSet.of(half, []), dtype)
+        configs[f"{name}/half-mlp"] = (1, SkipSet.of([], half), dtype)
+        configs[f"{name}/no-layers"] = (1, SkipSet.of(range(L), range(L)), dtype)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    names = list(configs)
+    for rep in range(reps + 1):  # the first sweep warms up (and makes the low-precision copies); discarded
+        gen.shuffle(names)  # interleaved: machine drift hits every configuration alike
+        for name in names:
+            T, skip, dtype = configs[name]
+            ids = torch.tensor([gen.randrange(vocab) for _ in range(T)], device=engine.device)
+            _sync(engine.device)
+            t0 = time.perf_counter()
+            engine.forward(cache, ids, context, skip=skip, last_only=True, precision=dtype)
+            _sync(engine.device)
+            if rep:
+                times[name].append(1000 * (time.perf_counter() - t0))
+
+    def q1(name: str) -> float:
+        return statistics.quantiles(times[name], n=4)[0] if len(times[name]) > 1 else times[name][0]
+
+    # A pass over more tokens never costs less: the least-squares non-decreasing fit smooths the noise away
+    # without letting one slow sample raise every larger T (as a running maximum would).
+    forward = dict(zip(GRID, _non_decreasing([statistics.median(times[f"T{t}"]) for t in GRID]), strict=True))
+    drafts: dict[str, DraftCosts] = {}
+    for name in precisions:
+        full = forward[1] if name == "same" else q1(f"{name}/all")
+        base = min(q1(f"{name}/no-layers"), full)
+        attention = max(0.0, (full - q1(f"{name}/half-attention")) / len(half))
+        mlp = max(0.0, (full - q1(f"{name}/half-mlp")) / len(half))
+        scale = (full - base) / (L * (attention + mlp)) if attention + mlp > 0 else 0.0  # parts add up to the whole
+        drafts[name] = DraftCosts(attention * scale, mlp * scale, base, agreement[name])
+    return CostProfile(key or profile_key(model), forward, drafts, L)
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """Isotonic regression (pool adjacent violators), equal weights."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    out: list[float] = []
+    for mean, count in blocks:
+        out.extend([mean] * int(count))
+    return out
+
+
+def _text_ids(model, length: int) -> torch.Tensor:
+    try:
+        ids = list(model.tokenizer(_TEXT)["input_ids"])
+    except Exception:  # a tokenizer that cannot encode plain text: fall back to a fixed token pattern
+        ids = []
+    if not ids:
+        ids = [(i * 7919) % model.adapter.vocab_size for i in range(64)]
+    ids = (ids * (length // len(ids) + 1))[:length]
+    return torch.tensor(ids, dtype=torch.long, device=model.engine.device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _main() -> None:  # pragma: no cover - a manual tool
+    import argparse
+
+    from .models import load
+
+    p = argparse.ArgumentParser(description="measure (or show) the cost profile of a model on this machine")
+    p.add_argument("model", nargs="?", default="smollm2-135m")
+    p.add_argument("--force", action="store_true", help="measure again even if cached")
+    args = p.parse_args()
+    prof = cost_profile(load(args.model), force=args.force)
+    print(json.dumps(prof.to_dict(), indent=1))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()

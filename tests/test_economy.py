@@ -1,0 +1,137 @@
+"""Cost profiles, the economy of draft decisions, cost-aware policies and low-precision draft weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+from selfspec import kernels
+from selfspec.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
+from selfspec.drafting import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
+from selfspec.economy import Calibration, Economy
+from selfspec.skipset import SkipSet
+
+
+def _profile(forward=None, drafts=None) -> CostProfile:
+    return CostProfile(
+        key="synthetic",
+        forward_ms=forward or {1: 20.0, 2: 20.0, 4: 22.0, 8: 40.0, 16: 80.0},
+        drafts=drafts or {"same": DraftCosts(0.5, 1.0, 2.0, 1.0)},
+        num_layers=10,
+    )
+
+
+def test_profile_interpolates_and_predicts_draft_cost():
+    prof = _profile()
+    assert prof.forward(1) == 20.0
+    assert prof.forward(3) == pytest.approx(21.0)
+    assert prof.forward(12) == pytest.approx(60.0)
+    assert prof.forward(24) == pytest.approx(120.0)  # extrapolated with the last slope
+    assert prof.draft_step(SkipSet()) == pytest.approx(2.0 + 10 * 0.5 + 10 * 1.0)
+    assert prof.draft_step(SkipSet.of([0, 1], [0])) == pytest.approx(2.0 + 8 * 0.5 + 9 * 1.0)
+
+
+def test_best_precision_needs_agreement_and_a_real_saving():
+    same = DraftCosts(1.0, 1.0, 5.0, 1.0)
+    cheap_but_wrong = DraftCosts(0.1, 0.1, 1.0, 0.5)  # overflowed: agrees on half the tokens
+    cheap = DraftCosts(0.3, 0.3, 2.0, 0.99)
+    barely = DraftCosts(0.95, 0.95, 4.8, 1.0)  # 5% cheaper: not worth a second copy of the weights
+    assert _profile(drafts={"same": same, "float16": cheap_but_wrong}).best_precision() == "same"
+    assert _profile(drafts={"same": same, "float16": cheap_but_wrong, "bfloat16": cheap}).best_precision() == "bfloat16"
+    assert _profile(drafts={"same": same, "bfloat16": barely}).best_precision() == "same"
+
+
+def test_isotonic_fit():
+    assert _non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert _non_decreasing([5.0, 1.0, 1.0]) == pytest.approx([7 / 3] * 3)
+
+
+def test_measured_profile_of_a_tiny_model():
+    model = tiny_model("llama", seed=2)
+    prof = measure_profile(model, reps=2, context=32)
+    values = [prof.forward_ms[t] for t in sorted(prof.forward_ms)]
+    assert values == sorted(values) and values[0] > 0
+    assert {"same", "float16", "bfloat16"} <= prof.drafts.keys()
+    assert prof.drafts["same"].agreement == 1.0
+    assert 0.0 <= prof.drafts["float16"].agreement <= 1.0
+    assert prof.draft_step(SkipSet()) == pytest.approx(prof.forward(1), rel=0.01)  # parts add up to the whole
+
+
+def test_calibration_learns_from_outcomes():
+    cal = Calibration()
+    assert cal.prob(0.95) == pytest.approx(0.95)  # the prior: the draft is calibrated
+    for _ in range(200):
+        cal.update(0.95, kept=False)
+    assert cal.prob(0.95) < 0.05
+    assert cal.prob(0.15) == pytest.approx(0.15)  # other bins untouched
+    assert cal.prob(float("nan")) == cal.prob(0.0)
+
+
+def test_economy_decisions_follow_costs():
+    econ = Economy(_profile(), draft_ms_predicted=5.0)  # a draft step costs a quarter of a full step
+    assert econ.ms_per_token == 20.0
+    # verifying a 2nd..4th token is almost free here, so a likely token is worth drafting
+    assert econ.worth_another_draft(1.0, 0.9, tree_size=1)
+    assert not econ.worth_another_draft(0.05, 0.1, tree_size=1)
+    # leaves: free up to 2 tokens, costly beyond 4
+    assert econ.worth_leaf(0.01, tree_size=1)
+    assert not econ.worth_leaf(0.2, tree_size=8)
+    # rounds that produce many tokens cheaply raise the bar
+    for _ in range(50):
+        econ.observe(tokens=5, round_ms=30.0, draft_steps=4, draft_ms=20.0, verified=5, verify_ms=22.0,
+                     first_kept=True)  # fmt: skip
+    assert econ.ms_per_token == pytest.approx(6.0, rel=0.05)
+    assert econ.first_token_acceptance == pytest.approx(1.0)
+
+
+def test_lookahead_sees_past_a_cost_jump():
+    # the 3rd token costs 20 ms more to verify, the 4th and 5th nothing: drafting on pays over three tokens
+    econ = Economy(_profile(forward={1: 20.0, 2: 20.0, 3: 40.0, 4: 40.0, 5: 40.0, 8: 60.0}), draft_ms_predicted=2.0)
+    assert not econ.worth_another_draft(0.9, 0.9, tree_size=2, horizon=1)
+    assert econ.worth_another_draft(0.9, 0.9, tree_size=2, horizon=3)
+
+
+def test_cost_aware_exit_stops_and_skips_rounds():
+    econ = Economy(_profile(), draft_ms_predicted=5.0)
+    ex = CostAwareExit(max_draft=6, explore_every=3)
+    ex.economy = econ
+    assert ex.begin_round()
+    assert not ex.should_stop(1, 0.99)
+    assert ex.should_stop(2, 0.01)  # a hopeless token ends the draft
+    assert ex.should_stop(6, 0.99)  # max_draft
+    econ.first_token_acceptance = 0.0  # drafts are never right: rounds go without drafting...
+    assert [ex.begin_round() for _ in range(6)] == [False, False, True, False, False, True]  # ...but explore
+
+
+def test_tree_widths():
+    econ = Economy(_profile(), draft_ms_predicted=5.0)
+    cost_aware = CostAwareTreeWidths(max_leaves=4)
+    cost_aware.economy = econ
+    alternatives = [[(7, 0.3), (8, 0.01)], [(9, 0.2)]]
+    leaves = cost_aware.choose([0.6, 0.9], alternatives)
+    assert leaves[0][0] == 7 and 8 not in leaves[0]  # the likely alternative, not the hopeless one
+    paper = PaperTreeWidths()
+    wide = [[(i, 0.01) for i in range(10, 19)]] * 3
+    assert [len(x) for x in paper.choose([0.3, 0.7, 0.99], wide)] == [9, 4, 0]  # k = 10, 5, 1
+
+
+def test_low_precision_drafts_are_scoped_and_close():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    kernels.install(lin)
+    x = torch.randn(1, 64)
+    full = lin(x)
+    with kernels.draft_precision(torch.bfloat16):
+        low = lin(x)
+    assert low.dtype == torch.float32
+    assert not torch.equal(low, full)
+    torch.testing.assert_close(low, full, rtol=0.05, atol=0.05)
+    assert torch.equal(lin(x), full), "outside the block the full precision is back"
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # an in-place change must refresh the low-precision copy
+    with kernels.draft_precision(torch.bfloat16):
+        torch.testing.assert_close(lin(x), lin(x).detach(), rtol=0, atol=0)
+        doubled = lin(x)
+    torch.testing.assert_close(doubled, lin(x), rtol=0.05, atol=0.1)

@@ -1,0 +1,188 @@
+"""SWIFT on tiny models: lossless across a stream of prompts, the optimiser really optimises, its state persists."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import selfspec
+from selfspec.costs import CostProfile, DraftCosts
+from selfspec.decoding import RoundContext, prefill
+from selfspec.errors import InvalidInputError
+from selfspec.skipset import SkipSet
+from selfspec.swift import SwiftConfig, SwiftPolicy, predicted_speedup, uniform_skip_set
+
+STREAM = [
+    "The quick brown fox jumps over the lazy dog; sliding windows must hold over long prompts too.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Summarise: the council met on Tuesday and agreed to publish the budget report next month.",
+    "Q: What is 12 times 12? A: Let us think step by step about the numbers involved here.",
+]
+# optimise at every round of these short runs, and never stop for a good score
+FAST = {"context_window": 8, "budget": 1000.0, "bo_interval": 3, "score_threshold": 1.0}
+
+
+def _stream_equals_vanilla(model, **options):
+    session = selfspec.Session(model, "swift", **FAST, **options)
+    for prompt in STREAM:
+        base = selfspec.generate(model, prompt, "vanilla", max_new_tokens=40)
+        out = session.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == base.token_ids, prompt
+        assert out.stats.new_tokens == len(base.token_ids)
+    state = session.skip_policy.state
+    assert state.steps > FAST["bo_interval"], "the optimiser took (Bayesian) steps"
+    assert len(state.observations) == state.steps
+    return state
+
+
+def test_swift_equals_vanilla_over_a_stream(tiny):
+    _stream_equals_vanilla(tiny)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"tree": False},
+        {"schedule": "paper", "skip_ratio": 0.45, "objective": "matchness", "search": "paper"},  # the paper
+        {"draft_dtype": "float16", "draft_length": 3},
+    ],
+    ids=["no-tree", "paper", "fp16-fixed-length"],
+)
+def test_swift_variants_equal_vanilla(tiny_llama, options):
+    _stream_equals_vanilla(tiny_llama, **options)
+
+
+def test_optimiser_improves_on_a_bad_start(tiny_llama):
+    """In the model's own precision the search starts from SWIFT's uniform set and must find better ones."""
+    state = _stream_equals_vanilla(tiny_llama, draft_dtype="same")
+    assert state.history, "at least one candidate beat the uniform start"
+    assert state.best_set != uniform_skip_set(tiny_llama.num_layers)
+
+
+def test_trees_are_used_and_lossless_with_forced_wide_trees(tiny_llama):
+    """The paper's schedule on a near-uniform draft builds wide trees; output still equals vanilla."""
+    session = selfspec.Session(tiny_llama, "swift", schedule="paper", epsilon=0.99, skip_ratio=0.2,
+                               objective="matchness", **FAST)  # fmt: skip
+    for prompt in STREAM[:2]:
+        base = selfspec.generate(tiny_llama, prompt, "vanilla", max_new_tokens=40)
+        out = session.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == base.token_ids
+        assert out.stats.verified_tokens > out.stats.forwards - 1 + out.stats.drafted, "leaves were verified"
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [({"max_steps": 3}, "max steps"), ({"patience": 1, "seed": 1}, "patience"), ({"score_threshold": 0.01}, "score")],
+)
+def test_optimisation_stops_by_the_papers_rules(tiny_llama, options, reason):
+    session = selfspec.Session(tiny_llama, "swift", **{**FAST, **options})
+    for prompt in STREAM:
+        session.generate(prompt, max_new_tokens=40)
+    state = session.skip_policy.state
+    assert state.done and state.stop_reason.startswith(reason)
+    steps = state.steps
+    session.generate(STREAM[0], max_new_tokens=40)  # no more steps once stopped (same text: no reopening)
+    assert session.skip_policy.state.steps == steps
+
+
+def test_matchness_of_the_full_model_is_one():
+    """Teacher-forced over its own greedy output, the undamaged model predicts every next token."""
+    model = tiny_model("llama", seed=5)
+    prompt = model.encode(STREAM[0])
+    gen = list(selfspec.generate(model, STREAM[0], "vanilla", max_new_tokens=20).token_ids)
+    pf = prefill(model, prompt, max_new_tokens=20, max_nodes=40)
+    policy = SwiftPolicy(SwiftConfig(context_window=16))
+    policy.bind(model)
+    ctx = RoundContext(model, pf.cache, len(prompt), gen, SkipSet())
+    assert policy.matchness(ctx, SkipSet()) == 1.0
+    damaged = policy.matchness(ctx, SkipSet.of(range(6), range(6)))
+    assert damaged < 1.0
+
+
+def test_state_persists_per_model(tmp_path, tiny_llama):
+    path = tmp_path / "swift.json"
+    first = selfspec.Session(tiny_llama, "swift", state=str(path), **FAST)
+    for prompt in STREAM[:2]:
+        first.generate(prompt, max_new_tokens=30)
+    saved = first.skip_policy.state
+    data = json.loads(path.read_text())
+    assert len(data) == 1 and next(iter(data.values()))["steps"] == saved.steps
+
+    other = tiny_model("qwen2")
+    selfspec.Session(other, "swift", state=str(path), **FAST).generate(STREAM[0], max_new_tokens=30)
+    assert len(json.loads(path.read_text())) == 2, "each model keeps its own entry"
+
+    second = selfspec.Session(tiny_llama, "swift", state=str(path), **FAST)
+    second.skip_policy.bind(tiny_llama)
+    assert second.skip_policy.state.best == saved.best
+    assert second.skip_policy.state.steps == saved.steps
+    out = second.generate(STREAM[2], max_new_tokens=30)
+    assert out.token_ids == selfspec.generate(tiny_llama, STREAM[2], "vanilla", max_new_tokens=30).token_ids
+    assert second.skip_policy.state.steps >= saved.steps
+
+
+def test_corrupt_state_is_a_clear_error(tmp_path, tiny_llama):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(InvalidInputError, match="unreadable"):
+        selfspec.Session(tiny_llama, "swift", state=str(path)).generate(STREAM[0], max_new_tokens=5)
+
+
+def test_uniform_start_never_skips_first_or_last_layer():
+    s = uniform_skip_set(30)
+    assert 0 not in s.attention | s.mlp and 29 not in s.attention | s.mlp
+    assert s.attention == s.mlp == frozenset(range(1, 29, 2))
+
+
+def _profile(draft_ms_per_sublayer: float = 1.0) -> CostProfile:
+    L = 10
+    return CostProfile(
+        key="synthetic",
+        forward_ms={1: 25.0, 2: 26.0, 4: 28.0, 8: 40.0, 16: 60.0, 32: 100.0},
+        drafts={"same": DraftCosts(draft_ms_per_sublayer, draft_ms_per_sublayer, 5.0, 1.0)},
+        num_layers=L,
+    )
+
+
+def test_predicted_speedup_trades_acceptance_against_cost():
+    prof = _profile()
+    light, heavy = SkipSet.of(range(8), range(8)), SkipSet.of([1], [])
+    assert predicted_speedup(prof, light, 0.9) > predicted_speedup(prof, heavy, 0.9)  # same acceptance, cheaper
+    assert predicted_speedup(prof, light, 0.9) > predicted_speedup(prof, light, 0.5)  # same cost, better drafts
+    assert predicted_speedup(prof, light, 0.0) < 1.0  # a draft that is never right only costs
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"skip_ratio": 1.5}, "skip_ratio"),
+        ({"skip_ratio": "half"}, "skip_ratio"),
+        ({"objective": "matchness"}, "needs a fixed skip_ratio"),
+        ({"search": "genetic"}, "search"),
+        ({"schedule": "gpu"}, "schedule"),
+        ({"tree": "maybe"}, "true or false"),
+        ({"budget": 0}, "budget"),
+        ({"context_window": 1}, "context_window"),
+        ({"draft_dtype": "int3"}, "draft_dtype"),
+        ({"alpha": 0.9}, "no option"),
+    ],
+)
+def test_bad_options(options, message):
+    from selfspec.methods import build_policies
+
+    with pytest.raises(InvalidInputError, match=message):
+        build_policies("swift", options)
+
+
+def test_cheap_precision_starts_from_the_full_draft(tiny_llama):
+    """With float16 drafts the adaptive search starts from no skipping; with the model's precision, uniform."""
+    from selfspec.methods import build_policies
+
+    for dtype, expected in (("float16", SkipSet()), ("same", uniform_skip_set(tiny_llama.num_layers))):
+        policy, drafter = build_policies("swift", {"draft_dtype": dtype})
+        policy.bind(tiny_llama, drafter)
+        assert policy.propose(None, tiny_llama.num_layers) == expected
+    assert torch.get_num_threads() >= 1
