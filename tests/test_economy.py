@@ -106,15 +106,17 @@ def test_cost_aware_exit_stops_and_skips_rounds():
 
 
 def test_tree_widths():
-    econ = Economy(_profile(), draft_ms_predicted=5.0)
+    econ = Economy(_profile(forward={1: 20.0, 2: 23.0, 4: 29.0, 8: 41.0}), draft_ms_predicted=5.0)  # 3 ms a token
     cost_aware = CostAwareTreeWidths(max_leaves=4)
     cost_aware.economy = econ
-    alternatives = [[(7, 0.3), (8, 0.01)], [(9, 0.2)]]
-    leaves = cost_aware.choose([0.6, 0.9], alternatives)
-    assert leaves[0][0] == 7 and 8 not in leaves[0]  # the likely alternative, not the hopeless one
+    # a likely second candidate earns a leaf, a hopeless third does not
+    assert cost_aware.leaves([0.6, 0.3, 0.01], path_prob=1.0, size=2, budget=4) == 1
+    # the same candidates below a path that is almost surely rejected earn none
+    assert cost_aware.leaves([0.6, 0.3, 0.01], path_prob=0.001, size=2, budget=4) == 0
+    assert cost_aware.leaves([0.2, 0.2, 0.2, 0.2, 0.2], path_prob=1.0, size=2, budget=1) <= 1  # budget caps
     paper = PaperTreeWidths()
-    wide = [[(i, 0.01) for i in range(10, 19)]] * 3
-    assert [len(x) for x in paper.choose([0.3, 0.7, 0.99], wide)] == [9, 4, 0]  # k = 10, 5, 1
+    assert [paper.leaves([p], 1.0, 2, 9) for p in (0.3, 0.7, 0.9, 0.99)] == [9, 4, 2, 0]  # k = 10, 5, 3, 1
+    assert paper.leaves([0.3], 1.0, 2, 3) == 3
 
 
 def test_low_precision_drafts_are_scoped_and_close():

@@ -63,3 +63,32 @@ def test_gemma3_short_code_prompt(gemma3):
     assert list(base.token_ids) == hf_greedy(gemma3, gemma3.encode(item.prompt), 32)
     out = selfspec.generate(gemma3, item.prompt, "asd", max_new_tokens=32, alpha=0.995)
     assert out.token_ids == base.token_ids
+
+
+SWIFT_VARIANTS = [
+    {"context_window": 16, "budget": 1.0},  # ours: adaptive ratio, cost-aware drafting, token trees
+    {"context_window": 16, "budget": 1.0, "tree": False, "draft_dtype": "same"},
+    {"context_window": 16, "budget": 1.0, "schedule": "paper", "skip_ratio": 0.2, "objective": "matchness"},
+]
+
+
+@pytest.mark.parametrize("options", SWIFT_VARIANTS, ids=["ours", "chain-same-precision", "paper"])
+def test_smollm2_swift_stream_identical(smollm2, options):
+    """One SWIFT session over prompts of three tasks (its skip set carries over): every output is vanilla's."""
+    session = selfspec.Session(smollm2, "swift", **options)
+    for item in _prompts(chat=True):
+        base = selfspec.generate(smollm2, item.prompt, "vanilla", max_new_tokens=NEW)
+        out = session.generate(item.prompt, max_new_tokens=NEW)
+        assert out.token_ids == base.token_ids, (item.task, options)
+    assert session.skip_policy.state.steps > 0
+
+
+def test_gemma3_swift_long_prompt_identical(gemma3):
+    items = load_prompts("xsum", limit=200, chat=False)
+    long_item = max(items, key=lambda p: len(p.prompt))
+    code = load_prompts("humaneval", limit=1, chat=False)[0]
+    session = selfspec.Session(gemma3, "swift", context_window=16, budget=1.0)
+    for item in (long_item, code):
+        base = selfspec.generate(gemma3, item.prompt, "vanilla", max_new_tokens=32)
+        out = session.generate(item.prompt, max_new_tokens=32)
+        assert out.token_ids == base.token_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -84,8 +85,20 @@ def test_optimisation_stops_by_the_papers_rules(tiny_llama, options, reason):
     state = session.skip_policy.state
     assert state.done and state.stop_reason.startswith(reason)
     steps = state.steps
-    session.generate(STREAM[0], max_new_tokens=40)  # no more steps once stopped (same text: no reopening)
-    assert session.skip_policy.state.steps == steps
+    policy = session.skip_policy
+    policy.config = dataclasses.replace(policy.config, reopen_drop=1.0)  # whatever the new text scores
+    session.generate(STREAM[0], max_new_tokens=40)
+    assert state.done and state.steps == steps, "no more steps once stopped"
+
+
+def test_a_drop_in_matchness_reopens_the_search(tiny_llama):
+    session = selfspec.Session(tiny_llama, "swift", **{**FAST, "max_steps": 3})
+    session.generate(STREAM[0], max_new_tokens=40)
+    state = session.skip_policy.state
+    assert state.done
+    state.matchness_at_stop = 2.0  # the next text scores far below what the best set scored when the search stopped
+    session.generate(STREAM[1], max_new_tokens=40)
+    assert state.steps > 3 and state.done  # searched again (and stopped again: max_steps counts every step)
 
 
 def test_matchness_of_the_full_model_is_one():

@@ -6,8 +6,12 @@
     print(result.text, result.stats.mean_generated_length)
 
 A :class:`Session` keeps what a method learns between prompts (for instance
-Draft & Verify's confidence threshold); the module-level functions start a
-fresh one per call.
+Draft & Verify's confidence threshold, SWIFT's skip set); the module-level
+functions start a fresh one per call.
+
+Decoding is greedy unless ``temperature`` > 0; then ``top_k``, ``top_p`` and
+``seed`` apply, and every method samples exactly from the model's (warped)
+distribution by speculative sampling.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 from .decoding import Decoder, GenerationStats
 from .methods import build_policies
 from .models import Model, load
+from .sampling import SamplingParams
 
 Prompt = str | Sequence[dict]
 
@@ -44,7 +49,7 @@ class Session:
     def last_stats(self) -> GenerationStats | None:
         return self.last_result.stats if self.last_result else None
 
-    def _decoder(self, prompt: Prompt, max_new_tokens: int) -> Decoder:
+    def _decoder(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingParams) -> Decoder:
         return Decoder(
             self.model,
             self.model.encode(prompt),
@@ -52,17 +57,37 @@ class Session:
             method=self.method,
             skip_policy=self.skip_policy,
             draft_policy=self.draft_policy,
+            sampling=sampling,
         )
 
-    def generate(self, prompt: Prompt, *, max_new_tokens: int = 128) -> GenerationResult:
-        decoder = self._decoder(prompt, max_new_tokens)
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+    ) -> GenerationResult:
+        """Greedy with ``temperature`` 0 (default); else sampled, reproducibly when ``seed`` is given."""
+        decoder = self._decoder(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
         ids = [t for new in decoder for t in new]
         self.last_result = GenerationResult(self.model.decode(ids), tuple(ids), decoder.stats)
         return self.last_result
 
-    def stream(self, prompt: Prompt, *, max_new_tokens: int = 128) -> Iterator[str]:
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+    ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; ``last_result`` is set at the end."""
-        decoder = self._decoder(prompt, max_new_tokens)
+        decoder = self._decoder(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
         ids: list[int] = []
         shown = ""
         for new in decoder:
@@ -79,15 +104,26 @@ class Session:
             yield final[len(shown) :]
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed")
+
+
+def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    sampling = {k: options.pop(k) for k in SAMPLING_KEYS if k in options}
+    return options, sampling
+
+
 def generate(
     model: Model | str, prompt: Prompt, method: str = "asd", *, max_new_tokens: int = 128, **options: Any
 ) -> GenerationResult:
-    """Generate greedily with ``method`` (``vanilla``, ``asd``, ``static``); see ``selfspec.METHODS``."""
-    return Session(model, method, **options).generate(prompt, max_new_tokens=max_new_tokens)
+    """Generate with ``method`` (see ``selfspec.METHODS``); ``temperature``, ``top_p``, ``top_k``, ``seed``
+    choose sampling (default greedy); every other keyword is an option of the method."""
+    method_options, sampling = _split(dict(options))
+    return Session(model, method, **method_options).generate(prompt, max_new_tokens=max_new_tokens, **sampling)
 
 
 def stream(
     model: Model | str, prompt: Prompt, method: str = "asd", *, max_new_tokens: int = 128, **options: Any
 ) -> Iterator[str]:
     """Like :func:`generate`, yielding text pieces as soon as they are accepted."""
-    yield from Session(model, method, **options).stream(prompt, max_new_tokens=max_new_tokens)
+    method_options, sampling = _split(dict(options))
+    yield from Session(model, method, **method_options).stream(prompt, max_new_tokens=max_new_tokens, **sampling)

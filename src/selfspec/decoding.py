@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
-from .acceptance import accept_greedy
+from .acceptance import accept_greedy, accept_sampling
 from .cache import KVCache
 from .engine import SublayerCosine
 from .errors import InvalidInputError
 from .models import Model
+from .sampling import GREEDY, SamplingParams, warp
 from .skipset import SkipSet
 
 
@@ -111,8 +112,9 @@ class Prefill:
 
     prompt_ids: tuple[int, ...]
     cache: KVCache
-    first_token: int
+    first_token: int  # the greedy one
     cosine: SublayerCosine | None
+    last_logits: torch.Tensor | None = None  # [V], for sampling the first token
 
 
 def prefill(
@@ -129,7 +131,7 @@ def prefill(
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
     logits = engine.forward(cache, ids, 0, last_only=True, cosine_out=out if cosine else None)
     cache.commit(len(prompt_ids))
-    return Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), out[0] if out else None)
+    return Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), out[0] if out else None, logits[-1])
 
 
 def prefill_cosine(model: Model, prompt_ids: list[int]) -> SublayerCosine:
@@ -163,8 +165,10 @@ class Decoder:
         skip_policy=None,
         draft_policy=None,
         prefill: Prefill | None = None,
+        sampling: SamplingParams = GREEDY,
     ) -> None:
         check_lengths(model, len(prompt_ids), max_new_tokens)
+        self.sampling = sampling
         if (skip_policy is None) != (draft_policy is None):
             raise ValueError("a speculative decoder needs both a skip policy and a drafter")
         self.model = model
@@ -202,7 +206,10 @@ class Decoder:
         want_cos = speculative and getattr(self.skip_policy, "needs_cosine", False)
         pf = self.prefill or prefill(model, self.prompt_ids, max_new_tokens=N, max_nodes=self._max_nodes,
                                      cosine=want_cos)  # fmt: skip
-        cache, token = pf.cache, pf.first_token
+        cache = pf.cache
+        sampling = self.sampling
+        gen = None if sampling.greedy else sampling.generator(device)
+        token = pf.first_token if gen is None else int(torch.multinomial(warp(pf.last_logits, sampling), 1, generator=gen))
         cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
         cosine = pf.cosine if want_cos else None
         prefill_time = time.perf_counter() - t_start
@@ -237,22 +244,30 @@ class Decoder:
             optimise_time += t1 - t0
 
             # 1. draft (a chain, or a tree of candidates)
-            outcome = drafter.draft(model, cache, c, token, skip, budget) if speculative else None
+            outcome = drafter.draft(model, cache, c, token, skip, budget, sampling, gen) if speculative else None
             t2 = time.perf_counter()
             tree = outcome.tree if outcome is not None else None
 
             # 2. verify every candidate in one full-model forward
             if tree is None or len(tree) == 1:
                 ids = torch.tensor([token], dtype=torch.long, device=device)
-                target = engine.forward(cache, ids, c, last_only=True).argmax(-1).tolist()
-                path, bonus = [0], int(target[-1])
+                logits = engine.forward(cache, ids, c, last_only=True)  # [1, V]
+                path = [0]
+                if gen is None:
+                    bonus = int(logits[-1].argmax())
+                else:
+                    bonus = int(torch.multinomial(warp(logits[-1], sampling), 1, generator=gen))
             else:
                 ids = torch.tensor(tree.tokens, dtype=torch.long, device=device)
                 mask = tree.attention_mask(device)
                 positions = tree.positions(c, device) if mask is not None else None
-                target = engine.forward(cache, ids, c, positions=positions, tree_mask=mask).argmax(-1).tolist()
-                # 3. accept the longest path the full model agrees with, plus its next token
-                path, bonus = accept_greedy(tree, target)
+                logits = engine.forward(cache, ids, c, positions=positions, tree_mask=mask)  # [T, V]
+                # 3. accept: the longest path the full model agrees with (greedy) or keeps (speculative
+                #    sampling), plus its next token
+                if gen is None:
+                    path, bonus = accept_greedy(tree, logits.argmax(-1).tolist())
+                else:
+                    path, bonus = accept_sampling(tree, warp(logits, sampling), gen)
             t3 = time.perf_counter()
             draft_time += t2 - t1
             verify_time += t3 - t2

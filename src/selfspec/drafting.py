@@ -34,6 +34,7 @@ import torch
 
 from .economy import Economy
 from .errors import InvalidInputError
+from .sampling import GREEDY, SamplingParams, sample_without_replacement, warp
 from .skipset import SkipSet
 from .trees import DraftTree
 
@@ -172,13 +173,19 @@ MAX_WIDTH = 10  # most candidates per depth (top-1 included), as in SWIFT
 
 
 class TreePolicy:
-    """Picks, per depth of the drafted chain, which alternative tokens become extra leaves."""
+    """How many alternatives join the drafted chain at each depth, as extra leaves (SWIFT's dynamic verification).
 
-    width = MAX_WIDTH
+    Decided at each depth from the draft distribution there (its largest
+    probabilities, ``top``) and from what lies above it (``path_prob``: the
+    chance that the chain up to this depth is kept; ``size``: tokens already in
+    the tree), never from the tokens drawn at or below the depth: under
+    sampling, a width that depended on the draws would bias the output.
+    """
+
     economy: Economy | None = None
     max_leaves = 0
 
-    def choose(self, chain_probs: list[float], alternatives: list[list[tuple[int, float]]]) -> list[list[int]]:
+    def leaves(self, top: list[float], path_prob: float, size: int, budget: int) -> int:
         raise NotImplementedError
 
 
@@ -189,39 +196,27 @@ class PaperTreeWidths(TreePolicy):
     bands: tuple[tuple[float, int], ...] = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
     max_leaves: int = 25 * (MAX_WIDTH - 1)
 
-    def choose(self, chain_probs, alternatives):
-        out = []
-        for p, alts in zip(chain_probs, alternatives, strict=True):
-            k = next((k for upper, k in self.bands if p <= upper), 1)
-            out.append([tok for tok, _ in alts[: k - 1]])
-        return out
+    def leaves(self, top, path_prob, size, budget):
+        k = next((k for upper, k in self.bands if top[0] <= upper), 1)
+        return min(k - 1, budget)
 
 
 @dataclass
 class CostAwareTreeWidths(TreePolicy):
-    """Leaves by expected gain P(path to the depth is kept) * P(leaf is kept), while each pays its way."""
+    """Leaves while each one's expected gain, P(path kept) * P(leaf kept), pays for its verification cost."""
 
     max_leaves: int = 16
 
-    def choose(self, chain_probs, alternatives):
+    def leaves(self, top, path_prob, size, budget):
         econ = self.economy
-        out: list[list[int]] = [[] for _ in chain_probs]
         if econ is None:
-            return out
-        candidates = []
-        path = 1.0  # P(the chain up to the previous depth is kept)
-        for depth, (p, alts) in enumerate(zip(chain_probs, alternatives, strict=True)):
-            for tok, q in alts:
-                candidates.append((path * econ.leaves.prob(q), depth, tok))
-            path *= econ.chain.prob(p)
-        candidates.sort(reverse=True)
-        size = 1 + len(chain_probs)
-        for gain, depth, tok in candidates[: self.max_leaves]:
-            if not econ.worth_leaf(gain, size):
+            return 0
+        n = 0
+        for q in top[1:budget + 1]:  # the i-th draw tends to be the i-th most likely token
+            if not econ.worth_leaf(path_prob * econ.leaves.prob(q), size + n):
                 break
-            out[depth].append(tok)
-            size += 1
-        return out
+            n += 1
+        return n
 
 
 # -- the draft loop ----------------------------------------------------------------------------
@@ -230,7 +225,7 @@ class CostAwareTreeWidths(TreePolicy):
 @dataclass
 class DraftOutcome:
     tree: DraftTree
-    chain_probs: list[float]  # top-1 probability of each drafted chain token
+    chain_probs: list[float]  # draft probability of each drafted chain token
     leaf_probs: dict[int, float]  # node index -> draft probability, for the alternative leaves
     steps: int  # draft forward passes
 
@@ -247,45 +242,60 @@ def draft_round(
     length: LengthPolicy,
     tree: TreePolicy | None = None,
     precision: torch.dtype | None = None,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
 ) -> DraftOutcome:
-    """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``), greedily.
+    """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``).
 
-    The draft passes write their keys and values beyond the committed length;
-    the verification pass overwrites them.
+    Greedy: the chain follows the draft's argmax and the leaves are its next
+    best tokens.  Sampling: at each depth the chain token and the leaves are
+    successive draws without replacement from the warped draft distribution q,
+    which the tree keeps for the acceptance test.  The draft passes write
+    their keys and values beyond the committed length; verification overwrites
+    them.
     """
     device = engine.device
-    chain: list[int] = []
+    tokens, parents = [root], [-1]
+    qs: list[torch.Tensor | None] = [None]  # per node: the draft distribution its children were drawn from
     chain_probs: list[float] = []
-    alternatives: list[list[tuple[int, float]]] = []
-    width = tree.width if tree is not None else 1
-    last = root
-    while len(chain) < budget:
-        ids = torch.tensor([last], dtype=torch.long, device=device)
-        logits = engine.forward(cache, ids, start + len(chain), skip=skip, last_only=True, precision=precision)
-        probs = logits[-1].float().softmax(-1)  # [V]
-        top = probs.topk(width)
-        toks, ps = top.indices.tolist(), top.values.tolist()
-        chain.append(toks[0])
-        chain_probs.append(ps[0])
-        alternatives.append(list(zip(toks[1:], ps[1:], strict=True)))
-        last = toks[0]
-        if length.should_stop(len(chain), ps[0]):
+    leaf_nodes: list[tuple[int, list[int]]] = []  # (chain node, its extra children), placed after the chain
+    n_leaves = 0
+    path_prob = 1.0  # P(the chain so far is kept), by the economy's calibration (1 without one)
+    while len(chain_probs) < budget:
+        parent = len(tokens) - 1
+        ids = torch.tensor([tokens[parent]], dtype=torch.long, device=device)
+        logits = engine.forward(cache, ids, start + parent, skip=skip, last_only=True, precision=precision)
+        q = logits[-1].float().softmax(-1) if sampling.greedy else warp(logits[-1], sampling)  # [V]
+        top = q.topk(MAX_WIDTH)
+        extra = 0
+        if tree is not None and n_leaves < tree.max_leaves:
+            room = min(MAX_WIDTH - 1, tree.max_leaves - n_leaves)
+            extra = tree.leaves(top.values.tolist(), path_prob, len(tokens) + n_leaves + 1, room)
+        if sampling.greedy:
+            draws = top.indices[: 1 + extra].tolist()
+        else:
+            draws = sample_without_replacement(q, 1 + extra, generator)
+        qs[parent] = q
+        if len(draws) > 1:
+            leaf_nodes.append((parent, draws[1:]))
+            n_leaves += len(draws) - 1
+        prob = float(q[draws[0]])
+        tokens.append(draws[0])
+        parents.append(parent)
+        qs.append(None)
+        chain_probs.append(prob)
+        if tree is not None and tree.economy is not None:
+            path_prob *= tree.economy.chain.prob(prob)
+        if length.should_stop(len(chain_probs), prob):
             break
-    steps = len(chain)
-    if tree is None or not chain:
-        return DraftOutcome(DraftTree.chain(root, chain), chain_probs, {}, steps)
-
-    leaves = tree.choose(chain_probs, alternatives)
-    tokens = [root, *chain]
-    parents = list(range(-1, len(chain)))
     leaf_probs: dict[int, float] = {}
-    for depth, toks in enumerate(leaves):  # leaves at depth+1 hang below chain node `depth` (0 = root)
-        probs_by_tok = dict(alternatives[depth])
-        for tok in toks:
-            leaf_probs[len(tokens)] = probs_by_tok[tok]
+    for chain_node, extra_tokens in leaf_nodes:
+        for tok in extra_tokens:
+            leaf_probs[len(tokens)] = float(qs[chain_node][tok])
             tokens.append(tok)
-            parents.append(depth)
-    return DraftOutcome(DraftTree(tuple(tokens), tuple(parents)), chain_probs, leaf_probs, steps)
+            parents.append(chain_node)
+            qs.append(None)
+    return DraftOutcome(DraftTree(tuple(tokens), tuple(parents), tuple(qs)), chain_probs, leaf_probs, len(chain_probs))
 
 
 # -- the drafter: policies, precision and economy of one method ----------------------------------
@@ -361,13 +371,14 @@ class Drafter:
         if self.tree is not None:
             self.tree.economy = self.economy
 
-    def draft(self, model, cache, start: int, root: int, skip: SkipSet, budget: int) -> DraftOutcome | None:
+    def draft(self, model, cache, start: int, root: int, skip: SkipSet, budget: int,
+              sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None) -> DraftOutcome | None:  # fmt: skip
         """One round's draft, or None when the length policy says this round is better spent without one."""
         if budget < 1 or not self.length.begin_round():
             return None
         return draft_round(
             model.engine, cache, start, root, skip=skip, budget=budget, length=self.length, tree=self.tree,
-            precision=self.torch_dtype(model),
+            precision=self.torch_dtype(model), sampling=sampling, generator=generator,
         )  # fmt: skip
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
