@@ -53,16 +53,34 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--epsilon", type=float, help="schedule=paper: early-stop threshold (0.8)")
     s.add_argument("--no-tree", dest="tree", action="store_false", default=None,
                    help="verify the drafted chain only, no top-k alternatives")
-    s.add_argument("--seed", type=int, help="random seed of the search (0)")
+    s.add_argument("--search-seed", type=int, help="random seed of the skip-set search (0)")
 
 
 OPTION_NAMES = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
                 "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
-                "patience", "score_threshold", "budget", "schedule", "epsilon", "tree", "seed")  # fmt: skip
+                "patience", "score_threshold", "budget", "schedule", "epsilon", "tree")  # fmt: skip
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (default greedy; every method samples exactly from the model's distribution)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus cut (default 1: none)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k cut (default 0: none)")
+    g.add_argument("--seed", type=int, help="makes a sampled run reproducible")
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    from .sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before the model load
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
 
 
 def _method_options(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in OPTION_NAMES if getattr(args, k, None) is not None}
+    options = {k: getattr(args, k) for k in OPTION_NAMES if getattr(args, k, None) is not None}
+    if getattr(args, "search_seed", None) is not None:
+        options["seed"] = args.search_seed  # SWIFT's option "seed"; --seed is the sampling seed
+    return options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     tmpl = p.add_mutually_exclusive_group()
     tmpl.add_argument("--raw", action="store_true", help="do not apply the chat template")
     tmpl.add_argument("--chat", action="store_true", help="apply the chat template (default when the model has one)")
-    p.add_argument("--compare", action="store_true", help="also run vanilla; report speedup and identity")
+    _add_sampling_args(p)
+    p.add_argument("--compare", action="store_true", help="also run vanilla; report speedup (and identity when greedy)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
     _add_method_args(p)
     p.set_defaults(func=cmd_generate)
@@ -151,6 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     build_policies(args.method, options)  # validate before the (slow) model load
     if args.max_new_tokens < 1:
         raise InvalidInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = _sampling_kwargs(args)
     text = _read_prompt_text(args)
     model = load(args.model, device=args.device, dtype=args.dtype)
     prompt = _as_prompt(text, args, model)
@@ -159,25 +179,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # warm-up so that neither run pays one-off costs (allocator, kernel selection)
         Session(model, "vanilla").generate(prompt, max_new_tokens=4)
     if args.json:
-        result = session.generate(prompt, max_new_tokens=args.max_new_tokens)
+        result = session.generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
         out = {"text": result.text, "token_ids": list(result.token_ids), "stats": result.stats.to_dict()}
         if args.compare:
-            base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens)
+            base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
             out["vanilla_stats"] = base.stats.to_dict()
             out["speedup"] = base.stats.total_time / result.stats.total_time
-            out["identical"] = base.token_ids == result.token_ids
+            out["identical"] = base.token_ids == result.token_ids if args.temperature == 0 else None
         print(json.dumps(out))
         return 0
 
-    for piece in session.stream(prompt, max_new_tokens=args.max_new_tokens):
+    for piece in session.stream(prompt, max_new_tokens=args.max_new_tokens, **sampling):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     stats = session.last_stats
     base = None
     if args.compare:
-        base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens)
-    identical = None if base is None else base.token_ids == session.last_result.token_ids
+        base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
+    identical = None if base is None or args.temperature else base.token_ids == session.last_result.token_ids
     _print_stats(stats, None if base is None else base.stats, identical)
     return 0
 
@@ -208,7 +228,7 @@ def _print_stats(stats, base, identical) -> None:
     if base is not None:
         rows.append(("vanilla ms/token", f"{base.ms_per_token:.1f}"))
         rows.append(("speedup vs vanilla", f"{base.total_time / stats.total_time:.2f}x"))
-        rows.append(("identical to vanilla", "yes" if identical else "NO"))
+        rows.append(("identical to vanilla", "n/a (sampled)" if identical is None else "yes" if identical else "NO"))
     for r in rows:
         table.add_row(*r)
     Console(stderr=True).print(table)

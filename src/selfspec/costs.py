@@ -239,8 +239,10 @@ def _text_ids(model, length: int) -> torch.Tensor:
         ids = list(model.tokenizer(_TEXT)["input_ids"])
     except Exception:  # a tokenizer that cannot encode plain text: fall back to a fixed token pattern
         ids = []
+    vocab = model.adapter.vocab_size
+    ids = [i for i in ids if 0 <= i < vocab]  # (a tokenizer larger than the model's embedding)
     if not ids:
-        ids = [(i * 7919) % model.adapter.vocab_size for i in range(64)]
+        ids = [(i * 7919) % vocab for i in range(64)]
     ids = (ids * (length // len(ids) + 1))[:length]
     return torch.tensor(ids, dtype=torch.long, device=model.engine.device)
 

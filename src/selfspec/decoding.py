@@ -209,7 +209,10 @@ class Decoder:
         cache = pf.cache
         sampling = self.sampling
         gen = None if sampling.greedy else sampling.generator(device)
-        token = pf.first_token if gen is None else int(torch.multinomial(warp(pf.last_logits, sampling), 1, generator=gen))
+        if gen is None:
+            token = pf.first_token
+        else:
+            token = int(torch.multinomial(warp(pf.last_logits, sampling), 1, generator=gen))
         cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
         cosine = pf.cosine if want_cos else None
         prefill_time = time.perf_counter() - t_start

@@ -266,7 +266,7 @@ def draft_round(
         ids = torch.tensor([tokens[parent]], dtype=torch.long, device=device)
         logits = engine.forward(cache, ids, start + parent, skip=skip, last_only=True, precision=precision)
         q = logits[-1].float().softmax(-1) if sampling.greedy else warp(logits[-1], sampling)  # [V]
-        top = q.topk(MAX_WIDTH)
+        top = q.topk(min(MAX_WIDTH, q.shape[-1]))
         extra = 0
         if tree is not None and n_leaves < tree.max_leaves:
             room = min(MAX_WIDTH - 1, tree.max_leaves - n_leaves)
@@ -362,7 +362,8 @@ class Drafter:
         from .costs import cost_profile
 
         profile = cost_profile(model)
-        predicted = profile.draft_step(skip, self.precision(model) if self.precision(model) in profile.drafts else "same")
+        precision = self.precision(model)
+        predicted = profile.draft_step(skip, precision if precision in profile.drafts else "same")
         if self.economy is None or self.economy.profile is not profile:
             self.economy = Economy(profile, predicted)
         else:
@@ -371,8 +372,17 @@ class Drafter:
         if self.tree is not None:
             self.tree.economy = self.economy
 
-    def draft(self, model, cache, start: int, root: int, skip: SkipSet, budget: int,
-              sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None) -> DraftOutcome | None:  # fmt: skip
+    def draft(
+        self,
+        model,
+        cache,
+        start: int,
+        root: int,
+        skip: SkipSet,
+        budget: int,
+        sampling: SamplingParams = GREEDY,
+        generator: torch.Generator | None = None,
+    ) -> DraftOutcome | None:
         """One round's draft, or None when the length policy says this round is better spent without one."""
         if budget < 1 or not self.length.begin_round():
             return None

@@ -81,7 +81,7 @@ class SwiftConfig:
             try:
                 ratio = float(self.skip_ratio)
             except (TypeError, ValueError):
-                raise InvalidInputError(f"skip_ratio must be 'auto' or a number in (0, 1), got {self.skip_ratio!r}") from None
+                ratio = -1.0
             if not 0.0 < ratio < 1.0:
                 raise InvalidInputError(f"skip_ratio must be 'auto' or a number in (0, 1), got {self.skip_ratio!r}")
             object.__setattr__(self, "skip_ratio", ratio)
@@ -187,7 +187,8 @@ class SwiftPolicy:
             entry["observations"] = [(list(p), float(t)) for p, t in entry["observations"]]
             state = SwiftState(**entry)
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise InvalidInputError(f"SWIFT state {self.state_path} is unreadable ({exc}); delete it or pass another") from None
+            msg = f"SWIFT state {self.state_path} is unreadable ({exc}); delete it or pass another"
+            raise InvalidInputError(msg) from None
         if state.num_layers != num_layers:
             raise InvalidInputError(f"SWIFT state {self.state_path} is for a model with {state.num_layers} layers")
         return state

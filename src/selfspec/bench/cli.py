@@ -62,12 +62,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each dataset (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--methods", default="vanilla,asd", help='method specs, e.g. "vanilla,asd,hf" (see below)')
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="0 = greedy (default; the only mode until speculative sampling lands)",
-    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut (default 1: none)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling cut (default 0: none)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default 0)")
     p.add_argument("--out", type=Path, help="output directory (default runs/bench-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per method, discarded (default 1)")
@@ -86,6 +84,12 @@ def _command_line(args: argparse.Namespace) -> str:
         argv += ["--offset", str(args.offset)]
     argv += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods]
     argv += ["--warmup", str(args.warmup)]
+    if args.temperature:
+        argv += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
+        if args.top_p < 1.0:
+            argv += ["--top-p", str(args.top_p)]
+        if args.top_k:
+            argv += ["--top-k", str(args.top_k)]
     if args.threads is not None:
         argv += ["--threads", str(args.threads)]
     if args.device != "cpu":
@@ -93,6 +97,12 @@ def _command_line(args: argparse.Namespace) -> str:
     if args.dtype != "float32":
         argv += ["--dtype", args.dtype]
     return shlex.join(argv)
+
+
+def _sampling(args: argparse.Namespace):
+    from ..sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
@@ -106,11 +116,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     ):
         if value < low:
             raise InvalidInputError(f"{name} must be >= {low}, got {value}")
-    if args.temperature != 0:
-        raise InvalidInputError(
-            f"--temperature {args.temperature}: only greedy decoding (0) is benchmarked so far; "
-            "speculative sampling is not implemented yet"
-        )
+    _sampling(args)  # validates temperature, top-p, top-k
     if args.threads is not None and args.threads < 1:
         raise InvalidInputError(f"--threads must be >= 1, got {args.threads}")
     names = [s.strip() for s in args.stream.split(",") if s.strip()] if args.stream else [args.dataset or "xsum"]
@@ -161,6 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         threads=args.threads,
         progress=not args.no_progress,
+        sampling=_sampling(args),
     )
     meta = {
         "dataset": None if args.stream else names[0],

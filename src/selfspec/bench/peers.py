@@ -34,6 +34,7 @@ import torch
 from ..decoding import GenerationStats
 from ..errors import InvalidInputError
 from ..models import Model
+from ..sampling import GREEDY, SamplingParams
 from .spec import BenchMethod
 
 
@@ -109,6 +110,13 @@ def _count_forwards(model: Model) -> Iterator[_Counter]:
             h.remove()
 
 
+def _sampling_kwargs(sampling: SamplingParams) -> dict:
+    if sampling.greedy:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    # top_k 0 switches transformers' top-k off (None would fall back to the model's default, often 50)
+    return {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+
+
 @contextmanager
 def _quiet_transformers() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
@@ -121,25 +129,29 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def run_peer(model: Model, method: BenchMethod, prompt_ids: list[int], max_new_tokens: int):
-    """Generate with a transformers peer; returns (token ids, GenerationStats from the hooks)."""
+def run_peer(model: Model, method: BenchMethod, prompt_ids: list[int], max_new_tokens: int,
+             sampling: SamplingParams = GREEDY):  # fmt: skip
+    """Generate with a transformers peer; returns (token ids, GenerationStats from the hooks).
+
+    Under sampling, transformers draws from torch's global generator, seeded
+    here with the prompt's seed (it offers no per-call generator).
+    """
     eos = model.eos_token_ids
     pad = model.tokenizer.pad_token_id
     if pad is None:
         pad = min(eos) if eos else 0
     x = torch.tensor([prompt_ids], dtype=torch.long, device=model.engine.device)  # [1, S]
+    if not sampling.greedy and sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
     t0 = time.perf_counter()
     with _quiet_transformers(), _count_forwards(model) as counter, torch.inference_mode():
         out = model.hf.generate(
             x,
             attention_mask=torch.ones_like(x),
-            do_sample=False,
             max_new_tokens=max_new_tokens,
             eos_token_id=sorted(eos),
             pad_token_id=pad,
-            temperature=None,
-            top_p=None,
-            top_k=None,
+            **_sampling_kwargs(sampling),
             **generate_kwargs(model, method),
         )
     total = time.perf_counter() - t0

@@ -133,9 +133,18 @@ def header_line(config: dict[str, Any]) -> str:
     machine = f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {config.get('torch_threads', '?')} torch threads"
     return (
         f"**model** {config.get('model')} · **dataset** {data} · **limit** {config.get('limit', config.get('prompts'))}"
-        f" · **max_new_tokens** {config.get('max_new_tokens')} · **machine** {machine}"
-        f" · **date** {config.get('date', '?')}"
+        f" · **max_new_tokens** {config.get('max_new_tokens')} · **decoding** {sampling_text(config)}"
+        f" · **machine** {machine} · **date** {config.get('date', '?')}"
     )
+
+
+def sampling_text(config: dict[str, Any]) -> str:
+    s = config.get("sampling")
+    if not s:
+        return "greedy"
+    cuts = f", top-p {s['top_p']}" if s.get("top_p", 1.0) < 1.0 else ""
+    cuts += f", top-k {s['top_k']}" if s.get("top_k") else ""
+    return f"sampling (temperature {s['temperature']}{cuts}, seed {s.get('seed')} + prompt index)"
 
 
 def markdown_report(summary: BenchSummary) -> str:
@@ -163,7 +172,10 @@ def markdown_report(summary: BenchSummary) -> str:
         "pricing verification as measured. Time shares are of the decoder's own time (vanilla: its decode steps "
         "count as verify). Peak RSS: process resident-set high-water mark during each call "
         f"({cfg.get('memory_probe')}), max over prompts; +delta = peak minus RSS at the call's start. "
-        "Lossless = every output token-identical to vanilla's. Peers (hf*) are counted with forward hooks.",
+        "Lossless = every output token-identical to vanilla's"
+        + (" (greedy only: sampled outputs differ draw by draw, so n/a here; exactness under sampling is tested "
+           "statistically in tests/test_sampling.py)" if cfg.get("sampling") else "")
+        + ". Peers (hf*) are counted with forward hooks.",
     ]
     errors = [r for r in summary.methods if r.errors]
     if errors:
@@ -357,7 +369,8 @@ def print_summary(summary: BenchSummary, console=None) -> None:
     for task, rows in sections:
         cfg = summary.config
         where = task or cfg.get("dataset") or "stream"
-        table = Table(title=escape(f"{cfg.get('model')} · {where} · {cfg.get('max_new_tokens')} new tokens"))
+        title = f"{cfg.get('model')} · {where} · {cfg.get('max_new_tokens')} new tokens · {sampling_text(cfg)}"
+        table = Table(title=escape(title))
         for i in keep:
             table.add_column(columns[i], justify="left" if i == 0 else "right")
         for row, cells in zip(rows, table_rows(rows, with_hf=with_hf), strict=True):

@@ -17,7 +17,11 @@ Fairness rules, as in gpt-fast's benchmark loop:
    included) for ours and the peers alike.
 
 Every output is compared with vanilla's on the same prompt: greedy decoding
-must be token-identical, or the method is lossy.  A method that raises is
+must be token-identical, or the method is lossy.  Under sampling
+(``temperature`` > 0) outputs legitimately differ draw by draw, so the
+comparison is not made (exactness under sampling is a statistical property,
+tested in ``tests/test_sampling.py``); prompt i is sampled with seed
+``seed + i`` by every method.  A method that raises is
 recorded with its error and the run goes on (a peer that fails once is
 skipped for the remaining prompts).
 """
@@ -39,6 +43,7 @@ from ..datasets import PromptItem
 from ..decoding import check_lengths, prefill_cosine
 from ..errors import InvalidInputError
 from ..models import Model
+from ..sampling import GREEDY, SamplingParams
 from .peers import check_peer, run_peer
 from .spec import BenchMethod, baseline_of, parse_methods, with_baseline
 from .system import PeakMemory
@@ -83,6 +88,7 @@ class BenchResult:
     warmup: int
     torch_threads: int
     memory_probe: str
+    sampling: SamplingParams = GREEDY
     # per prompt, the prefill's per-sublayer cosine when no method measured it (None otherwise)
     cosine: tuple[dict[str, list[float]], ...] | None = None
 
@@ -98,8 +104,10 @@ ProgressFn = Callable[[int, int, str], None]
 
 
 class _Runner:
-    def __init__(self, model: Model, methods: Sequence[BenchMethod], max_new_tokens: int) -> None:
+    def __init__(self, model: Model, methods: Sequence[BenchMethod], max_new_tokens: int,
+                 sampling: SamplingParams) -> None:  # fmt: skip
         self.model = model
+        self.sampling = sampling
         self.methods = methods
         self.max_new_tokens = max_new_tokens
         self.memory = PeakMemory()
@@ -107,15 +115,23 @@ class _Runner:
     def session(self, method: BenchMethod) -> Session:
         return Session(self.model, method.name, **method.options)
 
-    def call(self, method: BenchMethod, session: Session | None, prompt: Any):
+    def sampling_for(self, index: int) -> SamplingParams:
+        s = self.sampling
+        if s.greedy:
+            return s
+        return dataclasses.replace(s, seed=None if s.seed is None else s.seed + max(index, 0))
+
+    def call(self, method: BenchMethod, session: Session | None, prompt: Any, index: int):
         """(token ids, text, stats dict) of one generation."""
+        sampling = self.sampling_for(index)
         if method.is_peer:
             ids = self.model.encode(prompt)
             check_lengths(self.model, len(ids), self.max_new_tokens)
-            tokens, stats = run_peer(self.model, method, ids, self.max_new_tokens)
+            tokens, stats = run_peer(self.model, method, ids, self.max_new_tokens, sampling)
             return tuple(tokens), self.model.decode(tokens), stats.to_dict()
         assert session is not None
-        result = session.generate(prompt, max_new_tokens=self.max_new_tokens)
+        result = session.generate(prompt, max_new_tokens=self.max_new_tokens, temperature=sampling.temperature,
+                                  top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)  # fmt: skip
         return tuple(result.token_ids), result.text, result.stats.to_dict()
 
     def record(self, index: int, item: PromptItem, method: BenchMethod, session: Session | None) -> PromptRecord:
@@ -123,7 +139,7 @@ class _Runner:
         self.memory.start()
         t0 = time.perf_counter()
         try:
-            tokens, text, stats = self.call(method, session, item.prompt)
+            tokens, text, stats = self.call(method, session, item.prompt, index)
             error = None
         except Exception as exc:  # a failing method must not end the whole run
             tokens, text, stats = (), "", None
@@ -158,13 +174,15 @@ def run_benchmark(
     progress: bool = False,
     measure_cosine: bool = True,
     on_progress: ProgressFn | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> BenchResult:
     """Run ``methods`` (a ``--methods`` string or a list) on ``prompts``; vanilla is added if absent.
 
     ``threads`` sets ``torch.set_num_threads`` for the whole run (None keeps
     torch's default; either way it is recorded).  ``progress`` shows a tqdm
     bar on stderr; ``on_progress(done, total, label)`` is called after every
-    generation.  With ``measure_cosine`` and no method that measured the
+    generation.  ``sampling`` (default greedy) applies to every method and
+    peer; under sampling no output is compared with vanilla's.  With ``measure_cosine`` and no method that measured the
     per-sublayer cosine itself, one untimed prefill per prompt measures it.
     """
     specs = parse_methods(methods) if isinstance(methods, str) else with_baseline(methods)
@@ -177,7 +195,7 @@ def run_benchmark(
             check_peer(model, m)
     if threads is not None:
         torch.set_num_threads(threads)
-    runner = _Runner(model, specs, max_new_tokens)
+    runner = _Runner(model, specs, max_new_tokens, sampling)
     baseline = baseline_of(specs)
 
     total = len(prompts) * len(specs)
@@ -218,7 +236,7 @@ def run_benchmark(
                 on_progress(done, total, m.label)
         base = next(r for r in row if r.method == baseline.label)
         for rec in row:
-            same = None if not (rec.ok and base.ok) else rec.token_ids == base.token_ids
+            same = None if not (rec.ok and base.ok and sampling.greedy) else rec.token_ids == base.token_ids
             records.append(dataclasses.replace(rec, identical_to_vanilla=same))
     if bar is not None:
         bar.close()
@@ -236,6 +254,7 @@ def run_benchmark(
         warmup=warmup,
         torch_threads=torch.get_num_threads(),
         memory_probe=runner.memory.method,
+        sampling=sampling,
         cosine=cosine,
     )
 

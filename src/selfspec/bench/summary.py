@@ -320,6 +320,7 @@ def summarize(
         "memory_probe": result.memory_probe,
         "methods": [m.to_dict() for m in result.methods],
         "baseline": result.baseline.label,
+        "sampling": None if result.sampling.greedy else asdict(result.sampling),
         **(meta or {}),
     }
     return BenchSummary(
