@@ -33,7 +33,7 @@ from scipy import stats
 import selfspec
 from selfspec import decoding, drafting
 from selfspec.acceptance import accept_sampling
-from selfspec.decoding import Decoder
+from selfspec.decoding import Decoder, prefill
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
 from selfspec.sampling import SamplingParams, sample_without_replacement, warp
@@ -210,20 +210,20 @@ def small_vocab():
 _EXACT: dict = {}
 
 
-def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(first NEW tokens), enumerated with transformers' forward pass (EOS ends a sequence early)."""
-    key = (id(model), params)
+def exact_distribution(model, params: SamplingParams, prompt=PROMPT, new=NEW) -> dict[tuple[int, ...], float]:
+    """P(first ``new`` tokens), enumerated with transformers' forward pass (EOS ends a sequence early)."""
+    key = (id(model), params, tuple(prompt), new)
     if key in _EXACT:
         return _EXACT[key]
     out: dict[tuple[int, ...], float] = {}
 
     def expand(prefix: tuple[int, ...], prob: float) -> None:
         with torch.inference_mode():
-            logits = model.hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+            logits = model.hf(torch.tensor([list(prompt) + list(prefix)])).logits[0, -1]
         p = warp(logits, params)
         for t in torch.nonzero(p).flatten().tolist():
             seq = prefix + (t,)
-            if t in model.eos_token_ids or len(seq) == NEW:
+            if t in model.eos_token_ids or len(seq) == new:
                 out[seq] = out.get(seq, 0.0) + prob * float(p[t])
             else:
                 expand(seq, prob * float(p[t]))
@@ -233,16 +233,23 @@ def exact_distribution(model, params: SamplingParams) -> dict[tuple[int, ...], f
     return out
 
 
-def sample_outputs(model, method: str, options: dict, params: SamplingParams, n: int = SAMPLES, seed0: int = 0):
-    """Counts of the first NEW tokens over n seeded decodings (one method state across them, as a session)."""
+def sample_outputs(model, method: str, options: dict, params: SamplingParams, n: int = SAMPLES, seed0: int = 0,
+                   prompt=PROMPT, new=NEW):  # fmt: skip
+    """Counts of the first ``new`` tokens over n seeded decodings (one method state across them, as a session).
+
+    The decodings share the prompt's prefill (as the skip-set search does), so
+    only the sampled continuation is recomputed.
+    """
     skip_policy, drafter = build_policies(method, options)
+    pf = prefill(model, list(prompt), max_new_tokens=new, max_nodes=drafter.max_nodes if drafter else 1,
+                 cosine=getattr(skip_policy, "needs_cosine", False))  # fmt: skip
     counts: collections.Counter = collections.Counter()
     verified = drafted = 0
     for i in range(n):
         sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + i)
-        dec = Decoder(model, PROMPT, max_new_tokens=NEW, method=method, skip_policy=skip_policy,
-                      draft_policy=drafter, sampling=sampling)  # fmt: skip
-        counts[tuple(t for new in dec for t in new)] += 1
+        dec = Decoder(model, list(prompt), max_new_tokens=new, method=method, skip_policy=skip_policy,
+                      draft_policy=drafter, sampling=sampling, prefill=pf)  # fmt: skip
+        counts[tuple(t for new_tokens in dec for t in new_tokens)] += 1
         verified += dec.stats.verified_tokens
         drafted += dec.stats.drafted
     return counts, verified, drafted
@@ -276,6 +283,21 @@ def test_speculative_sampling_is_exact(small_vocab, name, setting):
     expected = exact_distribution(small_vocab, params)
     assert chi_square_p(counts, expected, SAMPLES) > CORRECT_P
     assert two_sample_p(counts, vanilla_counts(small_vocab, setting)) > CORRECT_P
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_s3d_sampling_is_exact(small_vocab, setting):
+    """S3D drafts every position from mask tokens in one pass; each position's q is still exact."""
+    from selfspec.s3d import S3DAdapter, S3DConfig
+
+    adapter = S3DAdapter(small_vocab, S3DConfig(2, 4, gamma=3, rank=4))
+    with torch.no_grad():  # an untrained but non-trivial draft
+        for b in adapter.lora_b.values():
+            b.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+    params = SETTINGS[setting]
+    counts, _, drafted = sample_outputs(small_vocab, "s3d", {"adapter": adapter, "draft_dtype": "same"}, params)
+    assert drafted > SAMPLES
+    assert chi_square_p(counts, exact_distribution(small_vocab, params), SAMPLES) > CORRECT_P
 
 
 def _greedy_draws(q, k, generator):

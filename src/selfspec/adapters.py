@@ -88,6 +88,18 @@ class LlamaAdapter:
             self.model.set_attn_implementation("sdpa")
 
     # -- the pieces -------------------------------------------------------------
+    def linear_sublayers(self, i: int) -> dict[str, torch.nn.Linear]:
+        """The linear layers of layer i by role (q, k, v, o; gate, up, down), for draft-only adapters."""
+        layer = self.layers[i]
+        names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}  # fmt: skip
+        modules = dict(layer.named_modules())
+        return {role: modules[name] for role, name in names.items() if name in modules}
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embed_tokens(input_ids)  # [1, T, H]
 

@@ -52,6 +52,11 @@ class KVCache:
         """An object with HF's ``update(k, v, layer_idx)`` protocol writing at ``start``."""
         return _CacheWriter(self, start)
 
+    def reader(self, end: int) -> _PrefixReader:
+        """Like :meth:`writer`, but leaves the cache untouched: new keys and values are appended to a copy
+        of slots ``[0, end)`` (for training passes, where autograd must see them)."""
+        return _PrefixReader(self, end)
+
     def layer(self, idx: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``[0, end)`` of one layer (for tests and tools)."""
         k, v = self._keys[idx], self._values[idx]
@@ -88,3 +93,17 @@ class _CacheWriter:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return self._cache._write(layer_idx, self._start, key_states, value_states)
+
+
+class _PrefixReader:
+    """``past_key_values`` for training passes: committed slots plus the new entries, nothing written."""
+
+    __slots__ = ("_cache", "_end")
+
+    def __init__(self, cache: KVCache, end: int) -> None:
+        self._cache = cache
+        self._end = end
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k, v = self._cache.layer(layer_idx, self._end)
+        return torch.cat([k.clone(), key_states], dim=2), torch.cat([v.clone(), value_states], dim=2)

@@ -34,7 +34,10 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-set", help="static/selfsd: skip set JSON file or literal")
     g.add_argument("--max-draft", type=int, help="most draft tokens per round (12)")
     g.add_argument("--draft-length", type=int, help="fixed draft length instead of the adaptive exit")
-    g.add_argument("--gamma", type=float, help="initial confidence threshold of the adaptive exit (0.6)")
+    g.add_argument("--gamma", type=float,
+                   help="asd/static/selfsd: initial confidence threshold of the adaptive exit (0.6); "
+                        "s3d: tokens per draft pass (the adapter's)")
+    g.add_argument("--adapter", help="s3d: adapter directory written by `selfspec train-s3d`")
     g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16"),
                    help="precision of the draft passes' weights (auto: the cheapest that agrees, measured)")
     s = p.add_argument_group("swift options (defaults: the paper's, except where noted)")
@@ -57,7 +60,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 OPTION_NAMES = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
-                "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
+                "adapter", "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
                 "patience", "score_threshold", "budget", "schedule", "epsilon", "tree")  # fmt: skip
 
 
@@ -129,6 +132,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=float, help="initial confidence threshold of the adaptive exit (0.6)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser(
+        "train-s3d",
+        help="S3D: train the mask token and draft-only LoRA adapters (self-distillation, minutes on a CPU)",
+        description="Train an S3D adapter on text the model generates itself from prompts of the offline "
+        "datasets; use it with `generate --method s3d --adapter OUT`. Resumable: rerun to continue.",
+    )
+    _add_model_args(p)
+    p.add_argument("--out", type=Path, required=True, help="adapter directory")
+    p.add_argument("--steps", type=int, default=300, help="training steps in all, resumed ones included (300)")
+    p.add_argument("--skip", help="skipped middle layers FROM-TO (0-based, inclusive); default: the middle half")
+    p.add_argument("--gamma", type=int, default=4, help="tokens per draft pass (4, the paper's optimum)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (8)")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (2e-3)")
+    p.add_argument("--blocks", type=int, default=8, help="draft blocks per step (8)")
+    p.add_argument("--prompts", type=int, default=24, help="self-distilled texts (24)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per text (64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train_s3d)
 
     try:
         from .bench.cli import add_bench_parser
@@ -268,6 +291,41 @@ def cmd_search(args: argparse.Namespace) -> int:
         f"(M {obj['M']:.2f}, acceptance {obj['acceptance_rate']:.2f}); written to {args.out}",
         file=sys.stderr,
     )
+    return 0
+
+
+def cmd_train_s3d(args: argparse.Namespace) -> int:
+    from .models import load
+    from .s3d import S3DConfig, train_s3d
+
+    for name, value, low in (("--steps", args.steps, 1), ("--gamma", args.gamma, 1), ("--rank", args.rank, 1),
+                             ("--blocks", args.blocks, 1), ("--prompts", args.prompts, 1),
+                             ("--new-tokens", args.new_tokens, 1)):  # fmt: skip
+        if value < low:
+            raise InvalidInputError(f"{name} must be >= {low}, got {value}")
+    if not args.lr > 0:
+        raise InvalidInputError(f"--lr must be > 0, got {args.lr}")
+    skip = None
+    if args.skip is not None:
+        try:
+            lo, hi = (int(x) for x in args.skip.split("-"))
+        except ValueError:
+            raise InvalidInputError(f"--skip must look like FROM-TO (e.g. 8-22), got {args.skip!r}") from None
+        skip = (lo, hi + 1)
+    model = load(args.model, device=args.device, dtype=args.dtype)
+    if skip is None:
+        config = S3DConfig.default(model.num_layers, args.gamma)
+        config = S3DConfig(config.skip_from, config.skip_to, args.gamma, args.rank)
+    else:
+        config = S3DConfig(skip[0], skip[1], args.gamma, args.rank)
+    config.check(model.num_layers)
+    result = train_s3d(model, args.out, steps=args.steps, config=config, lr=args.lr, blocks=args.blocks,
+                       prompts=args.prompts, new_tokens=args.new_tokens, seed=args.seed,
+                       progress=not args.no_progress)  # fmt: skip
+    tail = result.losses[-20:]
+    loss = f"{sum(tail) / len(tail):.3f}" if tail else "n/a"
+    print(f"trained {result.steps} steps ({result.seconds:.0f} s of training in all); loss (last 20 steps) {loss}; "
+          f"adapter, loss.png and checkpoint in {result.out_dir}", file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -296,7 +296,7 @@ class Decoder:
             if speculative:
                 if outcome is not None and outcome.steps:
                     drafted_total += outcome.steps
-                    draft_forwards += outcome.steps
+                    draft_forwards += outcome.passes if outcome.passes is not None else outcome.steps
                     accepted_total += len(path) - 1
                     accept_lengths.append(len(path) - 1)
                     self.skip_policy.observe(outcome.steps, len(path) - 1)

@@ -227,7 +227,8 @@ class DraftOutcome:
     tree: DraftTree
     chain_probs: list[float]  # draft probability of each drafted chain token
     leaf_probs: dict[int, float]  # node index -> draft probability, for the alternative leaves
-    steps: int  # draft forward passes
+    steps: int  # drafted tokens on the chain (= draft forward passes, unless ``passes`` says otherwise)
+    passes: int | None = None  # draft forward passes, when one pass drafts several tokens (S3D)
 
 
 @torch.inference_mode()

@@ -56,6 +56,8 @@ class Engine:
         cosine_out: list | None = None,
         visible: int | None = None,
         precision: torch.dtype | None = None,
+        input_embeds: torch.Tensor | None = None,
+        adapters: dict | None = None,
     ) -> torch.Tensor:
         """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
 
@@ -67,19 +69,22 @@ class Engine:
         tokens (SWIFT's matchness) must not see the full model's entries of them.
         ``precision`` (drafts only) computes the linear layers with weights in
         that dtype (see :func:`selfspec.kernels.draft_precision`).
+        ``input_embeds`` ``[T, H]`` replaces the embedding of ``input_ids`` (S3D's
+        mask tokens); ``adapters`` (drafts only) switches on low-rank updates of
+        linear layers (see :func:`selfspec.kernels.draft_adapters`).
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
         """
-        if precision is not None:
-            with kernels.draft_precision(precision):
+        if precision is not None or adapters is not None:
+            with kernels.draft_precision(precision), kernels.draft_adapters(adapters):
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask,
-                    last_only=last_only, cosine_out=cosine_out, visible=visible,
+                    last_only=last_only, cosine_out=cosine_out, visible=visible, input_embeds=input_embeds,
                 )  # fmt: skip
         T = input_ids.shape[0]
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
         adapter = self.adapter
-        h = adapter.embed(input_ids.view(1, T))  # [1, T, H]
+        h = adapter.embed(input_ids.view(1, T)) if input_embeds is None else input_embeds.view(1, T, -1)
         ropes = adapter.rotary(h, positions.view(1, T))
         masks = self._masks(start, positions, tree_mask, start if visible is None else visible)
         kv = cache.writer(start)
@@ -103,6 +108,46 @@ class Engine:
             h = h[:, -1:]
         return adapter.head(h)[0]  # [T, V]
 
+    def forward_train(
+        self,
+        prefix: KVCache,
+        prefix_len: int,
+        input_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attend: torch.Tensor,
+        skip: SkipSet,
+    ) -> torch.Tensor:
+        """Logits ``[T, V]`` with autograd on, for training draft-only parameters (S3D).
+
+        ``input_embeds`` ``[T, H]`` at ``positions`` ``[T]`` attend to the
+        committed slots ``[0, prefix_len)`` of ``prefix`` and to each other as
+        ``attend`` ``[T, prefix_len + T]`` (bool) allows; the prefix is read,
+        never written, so many independent draft blocks can share one forward.
+        """
+        T = input_embeds.shape[0]
+        adapter = self.adapter
+        h = input_embeds.view(1, T, -1)
+        ropes = adapter.rotary(h, positions.view(1, T))
+        key_pos = torch.cat([torch.arange(prefix_len, device=self.device), positions])
+        masks = self._window_masks(attend, positions, key_pos)
+        kv = prefix.reader(prefix_len)
+        for i in range(self.num_layers):
+            if i not in skip.attention:
+                h = adapter.attention(i, h, ropes[self._layer_types[i]], masks[self._windows[i]], kv)
+            if i not in skip.mlp:
+                h = adapter.mlp(i, h)
+        return adapter.head(h)[0]
+
+    def _window_masks(self, base: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tensor) -> dict:
+        masks: dict = {}
+        T, K = base.shape
+        for w in set(self._windows):
+            m = base
+            if w is not None:
+                m = base & ((positions[:, None] - key_pos[None, :]) < w)
+            masks[w] = m.view(1, 1, T, K)
+        return masks
+
     def _masks(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None, visible: int) -> dict:
         """Boolean attention masks ``[1, 1, T, start+T]`` keyed by sliding window (None = full)."""
         T = positions.shape[0]
@@ -116,11 +161,5 @@ class Engine:
         old = torch.zeros(T, start, dtype=torch.bool, device=self.device)
         old[:, :visible] = True
         base = torch.cat([old, tree_mask], dim=1)
-        masks: dict = {}
         key_pos = torch.cat([torch.arange(start, device=self.device), positions])
-        for w in windows:
-            m = base
-            if w is not None:
-                m = base & ((positions[:, None] - key_pos[None, :]) < w)
-            masks[w] = m.view(1, 1, T, start + T)
-        return masks
+        return self._window_masks(base, positions, key_pos)

@@ -49,6 +49,8 @@ from torch import nn
 # only for the duration of one forward call by :func:`draft_precision`, never left switched on.
 _DRAFT_DTYPE: ContextVar[torch.dtype | None] = ContextVar("selfspec_draft_dtype", default=None)
 _LOW_PRECISION: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {dtype: (version, w, b)}
+# Low-rank adapters active only while drafting (S3D): module -> (A [r, in], B [out, r], scale); None: off.
+_DRAFT_ADAPTERS: ContextVar[dict | None] = ContextVar("selfspec_draft_adapters", default=None)
 
 
 @contextlib.contextmanager
@@ -59,6 +61,17 @@ def draft_precision(dtype: torch.dtype | None) -> Iterator[None]:
         yield
     finally:
         _DRAFT_DTYPE.reset(token)
+
+
+@contextlib.contextmanager
+def draft_adapters(adapters: dict | None) -> Iterator[None]:
+    """Within this block, each :class:`SmallBatchLinear` in ``adapters`` adds its low-rank update
+    ``scale * B(A x)``; outside it the model is untouched (so verification stays the full model)."""
+    token = _DRAFT_ADAPTERS.set(adapters)
+    try:
+        yield
+    finally:
+        _DRAFT_ADAPTERS.reset(token)
 
 
 def _low_precision_weights(module: nn.Linear, dtype: torch.dtype):
@@ -78,6 +91,16 @@ class SmallBatchLinear(nn.Linear):
     """``nn.Linear`` computing few-row products as ``W @ x.T`` on CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        adapters = _DRAFT_ADAPTERS.get()
+        y = self._base(x)
+        if adapters is not None:
+            lora = adapters.get(self)
+            if lora is not None:
+                a, b, scale = lora
+                y = y + scale * F.linear(F.linear(x.to(a.dtype), a), b).to(y.dtype)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         low = _DRAFT_DTYPE.get()
         if low is not None and low != self.weight.dtype:
             w, b = _low_precision_weights(self, low)

@@ -150,6 +150,30 @@ METHODS["swift"] = MethodSpec(
     _swift_drafter,
 )
 
+def _s3d_skip(opts: dict[str, Any]):
+    from .s3d import S3DSkipPolicy
+
+    return S3DSkipPolicy()
+
+
+def _s3d_drafter(opts: dict[str, Any]) -> Drafter:
+    from .s3d import s3d_drafter
+
+    return s3d_drafter(opts)
+
+
+METHODS["s3d"] = MethodSpec(
+    "s3d",
+    "S3D: middle layers skipped, the root plus gamma-1 mask tokens drafted in one pass (needs a trained adapter)",
+    {
+        "adapter": "directory written by `selfspec train-s3d` (or an S3DAdapter)",
+        "gamma": "tokens drafted per pass (default: the adapter's, 4)",
+        "draft_dtype": DRAFT_OPTIONS["draft_dtype"],
+    },
+    _s3d_skip,
+    _s3d_drafter,
+)
+
 # Self-SD (Draft & Verify): a static skip set, typically one found by `selfspec search`
 METHODS["selfsd"] = MethodSpec(
     "selfsd",

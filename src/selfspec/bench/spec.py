@@ -61,7 +61,7 @@ PEERS: dict[str, PeerSpec] = {
 }
 
 # The option a bare value sets, for our methods.
-_OUR_POSITIONAL = {"static": "skip_set", "selfsd": "skip_set"}
+_OUR_POSITIONAL = {"static": "skip_set", "selfsd": "skip_set", "s3d": "adapter"}
 
 
 @dataclass(frozen=True)
