@@ -175,10 +175,6 @@ class S3DDrafter(Drafter):
     source: str | Path | None = None
     _mapping: dict | None = field(default=None, repr=False)
 
-    @property
-    def max_draft(self) -> int:
-        return self.length.max_draft
-
     def adapter_for(self, model) -> S3DAdapter:
         if self.s3d is None:
             if self.source is None:

@@ -9,7 +9,11 @@
   of the k-th draft token given the earlier ones, alpha_k = alpha_1 * d_k with
   the discount d_k measured (mean over the adapters);
 * eq. 12: improvement factor IF = tau / (delta + beta + 1), delta the round's
-  fixed overhead in full-forward units (measured);
+  fixed overhead in full-forward units (measured).  The paper prices a draft
+  pass at beta full passes; with low-precision drafts (or where verifying
+  gamma + 1 tokens costs more than one token, as on a CPU) that is off, so the
+  report also gives IF with the draft pass priced as measured (c) and delta
+  the rest of the round beyond one full pass;
 * eq. 13: memory-normalised speed = speedup / (peak memory / vanilla's).
 
 Measure, fit and report (each adapter directory from ``selfspec train-s3d``)::
@@ -85,7 +89,8 @@ class Measurement:
     gamma: int
     alphas: tuple[float | None, ...]  # conditional acceptance per draft position
     speedup: float  # vs vanilla on the same prompts
-    delta: float  # fixed overhead per round, in full-forward units
+    delta: float  # the round beyond one draft pass and one full pass, in full-forward units
+    draft_cost: float  # one draft pass, in full-forward units (c)
 
 
 def discounts(measurements: Sequence[Measurement]) -> list[float]:
@@ -99,18 +104,20 @@ def discounts(measurements: Sequence[Measurement]) -> list[float]:
     return out
 
 
-def predict(beta: float, gamma: int, u: float, d: Sequence[float], delta: float) -> float:
+def predict(beta: float, gamma: int, u: float, d: Sequence[float], delta: float, cost: float | None = None) -> float:
+    """Eq. 12 with alpha_1 from eq. 10 and the measured discounts; the draft pass costs ``cost`` (default beta)."""
     a1 = alpha_of_beta(beta, u)
     alphas = [min(1.0, a1 * d[min(k, len(d) - 1)]) for k in range(gamma)]
-    return improvement_factor(alphas, beta, delta)
+    return tau(alphas) / (delta + (beta if cost is None else cost) + 1.0)
 
 
-def optimum(u: float, d: Sequence[float], delta: float, gammas=range(1, 9)) -> tuple[float, int, float]:
+def optimum(u: float, d: Sequence[float], delta: float, gammas=range(1, 9),
+            cost_per_beta: float | None = None) -> tuple[float, int, float]:  # fmt: skip
     """(beta, gamma, IF) maximising eq. 12 over beta in 0.05..0.95 and the given gammas."""
     best = (0.0, 0, -math.inf)
     for b in [x / 100 for x in range(5, 96)]:
         for g in gammas:
-            val = predict(b, g, u, d, delta)
+            val = predict(b, g, u, d, delta, None if cost_per_beta is None else cost_per_beta * b)
             if val > best[2]:
                 best = (b, g, val)
     return best
@@ -141,6 +148,7 @@ def measure(model, adapter_dirs: Sequence[str], prompts, max_new_tokens: int, pr
         lengths: list[int] = []
         t = 0.0
         rounds_ms: list[float] = []
+        draft_ms: list[float] = []
         for item in tqdm(prompts, desc=str(d), disable=not progress):
             r = session.generate(item.prompt, max_new_tokens=max_new_tokens)
             s = r.stats
@@ -148,11 +156,12 @@ def measure(model, adapter_dirs: Sequence[str], prompts, max_new_tokens: int, pr
             t += s.total_time
             rounds = max(1, s.forwards - 1)
             rounds_ms.append(1000 * (s.draft_time + s.verify_time) / rounds)
+            draft_ms.append(1000 * s.draft_time / max(1, s.draft_forwards))
         beta = adapter.config.beta(model.num_layers)
-        round_ms = statistics.fmean(rounds_ms)
-        delta = max(0.0, (round_ms - beta * c_ms - c_ms) / c_ms)
+        round_ms, pass_ms = statistics.fmean(rounds_ms), statistics.fmean(draft_ms)
+        delta = max(0.0, (round_ms - pass_ms - c_ms) / c_ms)
         alphas = tuple(conditional_acceptance(lengths, adapter.config.gamma))
-        out.append(Measurement(str(d), beta, adapter.config.gamma, alphas, vanilla_time / t, delta))
+        out.append(Measurement(str(d), beta, adapter.config.gamma, alphas, vanilla_time / t, delta, pass_ms / c_ms))
     return out
 
 
@@ -174,16 +183,22 @@ def main(argv: list[str] | None = None) -> int:
     u = fit_u([(m.beta, m.alphas[0]) for m in ms if m.alphas[0] is not None])
     d = discounts(ms)
     delta = statistics.fmean(m.delta for m in ms)
-    print(f"fitted U = {u:.4g}; discount d_k = {', '.join(f'{x:.2f}' for x in d)}; delta = {delta:.2f}")
-    print("| adapter | beta | gamma | alpha_1 measured | alpha_1 eq. 10 | alpha_k measured | IF eq. 12 | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
+    cost_per_beta = statistics.fmean(m.draft_cost / m.beta for m in ms)  # measured draft cost, per unit of beta
+    print(f"fitted U = {u:.4g}; discount d_k = {', '.join(f'{x:.2f}' for x in d)}; delta = {delta:.2f}; "
+          f"draft pass = {cost_per_beta:.2f} * beta full passes (measured)")  # fmt: skip
+    print("| adapter | beta | gamma | alpha_1 measured | alpha_1 eq. 10 | alpha_k measured | c | IF eq. 12 "
+          "| IF, c measured | speedup |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in ms:
         ak = ", ".join("-" if a is None else f"{a:.2f}" for a in m.alphas)
-        pred = predict(m.beta, m.gamma, u, d, delta)
+        paper = predict(m.beta, m.gamma, u, d, delta)
+        priced = predict(m.beta, m.gamma, u, d, m.delta, m.draft_cost)
         print(f"| {m.label} | {m.beta:.2f} | {m.gamma} | {m.alphas[0]:.2f} | {alpha_of_beta(m.beta, u):.2f} | {ak} "
-              f"| {pred:.2f} | {m.speedup:.2f}x |")
+              f"| {m.draft_cost:.2f} | {paper:.2f} | {priced:.2f} | {m.speedup:.2f}x |")
     b, g, val = optimum(u, d, delta)
-    print(f"predicted optimum: beta = {b:.2f}, gamma = {g} (IF {val:.2f})")
+    print(f"predicted optimum (eq. 12 as in the paper): beta = {b:.2f}, gamma = {g} (IF {val:.2f})")
+    b, g, val = optimum(u, d, delta, cost_per_beta=cost_per_beta)
+    print(f"predicted optimum (draft cost as measured): beta = {b:.2f}, gamma = {g} (IF {val:.2f})")
     return 0
 
 
