@@ -108,3 +108,15 @@ def test_smollm2_sampling_is_exact(smollm2):
                                                new=3)  # fmt: skip
     assert drafted > n // 2
     assert chi_square_p(counts, exact_distribution(smollm2, params, prompt=prompt, new=3), n) > CORRECT_P
+
+
+def test_smollm2_s3d_identical(smollm2, tmp_path):
+    """An S3D adapter trained for a few steps on the default model: output is still exactly vanilla's."""
+    from selfspec.s3d import train_s3d
+
+    train_s3d(smollm2, tmp_path, steps=5, prompts=2, new_tokens=16, progress=False)
+    for item in _prompts(chat=True)[:2]:
+        base = selfspec.generate(smollm2, item.prompt, "vanilla", max_new_tokens=NEW)
+        out = selfspec.generate(smollm2, item.prompt, "s3d", max_new_tokens=NEW, adapter=str(tmp_path))
+        assert out.token_ids == base.token_ids, item.task
+        assert out.stats.draft_forwards < out.stats.drafted
