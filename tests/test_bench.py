@@ -170,8 +170,8 @@ def _corrupt(monkeypatch, label: str) -> None:
     """Make ``label`` emit one wrong token per prompt, as a buggy acceptance rule would."""
     real_call = bench_runner._Runner.call
 
-    def call(self, method, session, prompt):
-        tokens, text, stats = real_call(self, method, session, prompt)
+    def call(self, method, session, prompt, index):
+        tokens, text, stats = real_call(self, method, session, prompt, index)
         if method.label == label and tokens:
             k = len(tokens) // 2
             tokens = tokens[:k] + ((tokens[k] + 1) % self.model.hf.config.vocab_size,) + tokens[k + 1 :]
@@ -194,13 +194,29 @@ def test_a_lossy_method_is_flagged(model, monkeypatch, tmp_path):
     assert json.loads(paths["summary"].read_text())["lossless"] is False
 
 
+def test_sampling_runs_are_seeded_and_not_compared_with_vanilla(model):
+    """Under sampling outputs differ draw by draw: no lossless verdict, but a seeded run repeats exactly."""
+    from selfspec.sampling import SamplingParams
+
+    sampling = SamplingParams(0.9, top_k=20, seed=3)
+    runs = [run_benchmark(model, PROMPTS[:2], "asd,hf", max_new_tokens=12, warmup=0, sampling=sampling)
+            for _ in range(2)]  # fmt: skip
+    assert [r.token_ids for r in runs[0].records] == [r.token_ids for r in runs[1].records]
+    assert all(r.identical_to_vanilla is None for r in runs[0].records)
+    summary = summarize(runs[0])
+    assert summary.lossy == () and summary.method("asd").lossless is None
+    assert summary.config["sampling"]["temperature"] == 0.9
+    greedy = run_benchmark(model, PROMPTS[:2], "asd", max_new_tokens=12, warmup=0)
+    assert [r.token_ids for r in greedy.records] != [r.token_ids for r in runs[0].records]
+
+
 def test_a_failing_method_is_recorded_and_the_run_goes_on(model, monkeypatch):
     real_call = bench_runner._Runner.call
 
-    def call(self, method, session, prompt):
+    def call(self, method, session, prompt, index):
         if method.label == "hf-lookup":
             raise RuntimeError("peer exploded")
-        return real_call(self, method, session, prompt)
+        return real_call(self, method, session, prompt, index)
 
     monkeypatch.setattr(bench_runner._Runner, "call", call)
     result = run_benchmark(model, PROMPTS[:2], "hf-lookup,asd", max_new_tokens=8, warmup=0)
@@ -270,7 +286,8 @@ def test_cli_bench_stream_mode(cli_on_tiny, tmp_path, capsys):
         (["--methods", "asd:alpha=2x"], "bad option value"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--offset", "-1"], "--offset must be >= 0"),
-        (["--temperature", "0.7"], "only greedy decoding"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "0.7", "--top-p", "0"], "top_p must be in"),
     ],
 )
 def test_cli_bench_bad_input_is_one_line(cli_on_tiny, argv, message, capsys):
