@@ -265,21 +265,23 @@ def self_distill(model, path: Path, *, prompts: int, new_tokens: int, progress: 
     rows = [r for r in rows if r.get("new_tokens") == new_tokens]
     if len(rows) >= prompts:
         return rows[:prompts]
-    per = -(-prompts // len(TRAIN_SOURCES))
-    items = []
+    pools = []
     for name, offset in TRAIN_SOURCES:
         try:
-            items += load_prompts(name, limit=per, chat=model.has_chat_template, offset=offset)
+            pools.append(load_prompts(name, limit=prompts, chat=model.has_chat_template, offset=offset))
         except InvalidInputError:
             continue  # a dataset with fewer prompts: the others fill in
-    items = items[:prompts]
     done = {r["id"] for r in rows}
-    todo = [it for it in items if it.id not in done]
-    bar = _bar(len(todo), "self-distillation texts", progress)
-    for it in todo:
+    candidates = [pool[i] for i in range(prompts) for pool in pools if i < len(pool)]  # round robin over sources
+    bar = _bar(prompts - len(rows), "self-distillation texts", progress)
+    for it in candidates:
+        if len(rows) >= prompts:
+            break
+        if it.id in done:
+            continue
         ids = model.encode(it.prompt)
         if len(ids) + new_tokens + 8 > model.max_context:
-            continue
+            continue  # too long for the model: the next candidate
         out = generate(model, it.prompt, "vanilla", max_new_tokens=new_tokens)
         rows.append({"id": it.id, "task": it.task, "prompt_ids": ids, "ids": list(out.token_ids),
                      "new_tokens": new_tokens})  # fmt: skip
