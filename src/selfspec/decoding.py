@@ -244,7 +244,8 @@ class Decoder:
                     skip = new_skip
                     drafter.bind(model, skip)
             t1 = time.perf_counter()
-            optimise_time += t1 - t0
+            if refine is not None:
+                optimise_time += t1 - t0
 
             # 1. draft (a chain, or a tree of candidates)
             outcome = drafter.draft(model, cache, c, token, skip, budget, sampling, gen) if speculative else None
