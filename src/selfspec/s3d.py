@@ -107,8 +107,10 @@ class S3DAdapter(nn.Module):
         self.config = config
         self.key = model_key(model)
         adapter = model.adapter
-        emb = model.hf.get_input_embeddings().weight
-        self.mask_embedding = nn.Parameter(emb.detach().float().mean(0).clone())  # [H]
+        with torch.no_grad():  # start from the mean input vector (embedding scaling included, e.g. Gemma's)
+            some = torch.arange(min(adapter.vocab_size, 4096), device=model.engine.device)
+            mean = adapter.embed(some.view(1, -1))[0].float().mean(0)
+        self.mask_embedding = nn.Parameter(mean.cpu().clone())  # [H]
         gen = torch.Generator().manual_seed(seed)
         self.lora_a = nn.ParameterDict()
         self.lora_b = nn.ParameterDict()
