@@ -95,7 +95,7 @@ def test_gemma3_swift_long_prompt_identical(gemma3):
 
 
 def test_smollm2_sampling_is_exact(smollm2):
-    """SWIFT as shipped (fp16 drafts, cost-aware token trees) samples the real model's distribution of its first
+    """SWIFT with fp16 drafts and cost-aware token trees samples the real model's distribution of its first
     three tokens (top-k 3: 27 outcomes, enumerated with transformers), by chi-square over seeded decodings."""
     from test_sampling import CORRECT_P, chi_square_p, exact_distribution, sample_outputs
 
@@ -104,9 +104,10 @@ def test_smollm2_sampling_is_exact(smollm2):
     prompt = smollm2.encode([{"role": "user", "content": "Name a colour and an animal."}])
     params = SamplingParams(1.0, top_k=3)
     n = 400
-    counts, verified, drafted = sample_outputs(smollm2, "swift", {"context_window": 2}, params, n=n, prompt=prompt,
-                                               new=3)  # fmt: skip
-    assert drafted > n // 2
+    # a fixed draft length: whether the cost-aware exit drafts at all depends on measured times
+    counts, verified, drafted = sample_outputs(smollm2, "swift", {"context_window": 2, "draft_length": 2}, params,
+                                               n=n, prompt=prompt, new=3)  # fmt: skip
+    assert drafted >= n
     assert chi_square_p(counts, exact_distribution(smollm2, params, prompt=prompt, new=3), n) > CORRECT_P
 
 
