@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .sampling import sample
 from .trees import DraftTree
 
 
@@ -73,6 +74,6 @@ def accept_sampling(tree: DraftTree, p: torch.Tensor, generator: torch.Generator
                 if left > 0.0:
                     q_cur /= left
         if nxt is None:
-            return path, int(torch.multinomial(p_cur, 1, generator=generator))
+            return path, sample(p_cur, generator)
         path.append(nxt)
         node = nxt

@@ -33,7 +33,7 @@ from .cache import KVCache
 from .engine import SublayerCosine
 from .errors import InvalidInputError
 from .models import Model
-from .sampling import GREEDY, SamplingParams, warp
+from .sampling import GREEDY, SamplingParams, sample, warp
 from .skipset import SkipSet
 
 
@@ -212,7 +212,7 @@ class Decoder:
         if gen is None:
             token = pf.first_token
         else:
-            token = int(torch.multinomial(warp(pf.last_logits, sampling), 1, generator=gen))
+            token = sample(warp(pf.last_logits, sampling), gen)
         cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
         cosine = pf.cosine if want_cos else None
         prefill_time = time.perf_counter() - t_start
@@ -260,7 +260,7 @@ class Decoder:
                 if gen is None:
                     bonus = int(logits[-1].argmax())
                 else:
-                    bonus = int(torch.multinomial(warp(logits[-1], sampling), 1, generator=gen))
+                    bonus = sample(warp(logits[-1], sampling), gen)
             else:
                 ids = torch.tensor(tree.tokens, dtype=torch.long, device=device)
                 mask = tree.attention_mask(device)
