@@ -70,7 +70,8 @@ class Session:
         top_k: int = 0,
         seed: int | None = None,
     ) -> GenerationResult:
-        """Greedy with ``temperature`` 0 (default); else sampled, reproducibly when ``seed`` is given."""
+        """Greedy with ``temperature`` 0 (default); else sampled, reproducibly when ``seed`` is given (except
+        where draft lengths or tree widths follow measured times: SWIFT's default ``schedule="cost"``)."""
         decoder = self._decoder(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
         ids = [t for new in decoder for t in new]
         self.last_result = GenerationResult(self.model.decode(ids), tuple(ids), decoder.stats)
