@@ -12,10 +12,20 @@ Supported ``config.model_type`` values:
   ``h + attn(norm(h))`` and ``h + mlp(norm(h))`` (:class:`LlamaAdapter`);
 * ``gemma3_text`` -- sandwich norms around both sublayers, per-layer RoPE
   tables and sliding-window layers (:class:`Gemma3Adapter`).
+
+The adapter computes with *shadow* copies of the decoder layers and the LM
+head (:func:`selfspec.kernels.shadow`): they share the model's parameters,
+but their linear layers use the kernels chosen for this machine and their
+attention uses a copy of the config set to SDPA.  The user's model object is
+never changed: ``model.generate`` stays stock transformers.  Weights changed
+in place through their parameters are seen; writes through ``.data`` bypass
+the version counter and need :meth:`LlamaAdapter.refresh_kernels`.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 from typing import Any
 
 import torch
@@ -35,13 +45,19 @@ class LlamaAdapter:
         self.model = model
         self.config = model.config
         self.backbone = model.model
-        self.layers = list(self.backbone.layers[: self.config.num_hidden_layers])
-        self.num_layers = len(self.layers)
+        layers = list(self.backbone.layers[: self.config.num_hidden_layers])
+        self.num_layers = len(layers)
         self.windows = self._sliding_windows()
         self.layer_types = self._layer_type_keys()
-        self._check_supported()
-        self._use_sdpa()
-        kernels.install(model)  # few-token verification passes cost far less on CPU (see kernels.py)
+        self._check_supported(layers[0])
+        plan = kernels.TORCH_ONLY  # until the engine's kernel plan is set (set_kernel_plan)
+        config = self._sdpa_config()
+        self.layers = [kernels.shadow(layer, plan, config=config) for layer in layers]
+        self.lm_head = kernels.shadow(model.lm_head, plan)
+        self.linears = kernels.kernel_linears(torch.nn.ModuleList([*self.layers, self.lm_head]))
+        # transformers renamed the attention's cache argument (past_key_values -> cache) in 5.x
+        params = inspect.signature(type(layers[0].self_attn).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # -- static facts ---------------------------------------------------------
     @property
@@ -74,18 +90,39 @@ class LlamaAdapter:
         """The key under which each layer's rotary table is computed (one table for Llama)."""
         return ["default"] * self.num_layers
 
-    def _check_supported(self) -> None:
-        layer = self.layers[0]
+    def _check_supported(self, layer) -> None:
         for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
             if not hasattr(layer, name):
                 raise UnsupportedModelError(f"{self.config.model_type}: decoder layer has no '{name}'")
         if getattr(self.config, "attn_logit_softcapping", None):
             raise UnsupportedModelError(f"{self.config.model_type}: attention logit soft-capping is not supported")
 
-    def _use_sdpa(self) -> None:
-        # Our masks are boolean [1, 1, T, K]; HF's eager attention expects additive float masks.
-        if getattr(self.config, "_attn_implementation", "sdpa") != "sdpa":
-            self.model.set_attn_implementation("sdpa")
+    def _sdpa_config(self) -> Any:
+        """The config our shadow layers see: the model's, with SDPA attention (our masks are boolean
+        [1, 1, T, K]; HF's eager attention expects additive float masks).  The model's own config is untouched."""
+        if getattr(self.config, "_attn_implementation", "sdpa") == "sdpa":
+            return None
+        config = copy.copy(self.config)
+        config._attn_implementation = "sdpa"
+        return config
+
+    # -- kernels ----------------------------------------------------------------------------------
+    def set_kernel_plan(self, plan: kernels.KernelPlan) -> None:
+        kernels.set_plan(self.linears, plan)
+
+    def refresh_kernels(self) -> None:
+        """Drop every prepared weight copy (after writes the version counter cannot see, e.g. via ``.data``)."""
+        for m in self.linears:
+            m.release()
+
+    def release_draft_copies(self, keep: torch.dtype | None) -> None:
+        """Drop prepared copies in draft dtypes other than ``keep`` (memory: keep only what a method uses)."""
+        for m in self.linears:
+            m.release({key for key in m._prepared if key[1] in (m.weight.dtype, keep)})
+
+    def kernel_memory(self) -> int:
+        """Bytes of prepared weight copies (packed, low precision) beyond the model's own weights."""
+        return kernels.prepared_bytes(self.linears)
 
     # -- the pieces -------------------------------------------------------------
     def linear_sublayers(self, i: int) -> dict[str, torch.nn.Linear]:
@@ -108,9 +145,8 @@ class LlamaAdapter:
 
     def attention(self, i: int, h: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
         layer = self.layers[i]
-        out, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(h), position_embeddings=rope, attention_mask=mask, past_key_values=kv
-        )
+        out, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
+                                 attention_mask=mask, **{self._cache_kw: kv})  # fmt: skip
         return h + out
 
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -118,7 +154,7 @@ class LlamaAdapter:
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.model.lm_head(self.backbone.norm(h))
+        logits = self.lm_head(self.backbone.norm(h))
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -133,9 +169,8 @@ class Gemma3Adapter(LlamaAdapter):
     def _layer_type_keys(self) -> list[str]:
         return list(self.config.layer_types[: self.num_layers])
 
-    def _check_supported(self) -> None:
-        super()._check_supported()
-        layer = self.layers[0]
+    def _check_supported(self, layer) -> None:
+        super()._check_supported(layer)
         for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
             if not hasattr(layer, name):
                 raise UnsupportedModelError(f"gemma3: decoder layer has no '{name}'")
@@ -145,9 +180,8 @@ class Gemma3Adapter(LlamaAdapter):
 
     def attention(self, i: int, h: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
         layer = self.layers[i]
-        out, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(h), position_embeddings=rope, attention_mask=mask, past_key_values=kv
-        )
+        out, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
+                                 attention_mask=mask, **{self._cache_kw: kv})  # fmt: skip
         return h + layer.post_attention_layernorm(out)
 
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:

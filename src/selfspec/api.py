@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .costs import prepare_costs
 from .decoding import Decoder, GenerationStats
 from .methods import build_policies
 from .models import Model, load
@@ -43,6 +44,7 @@ class Session:
         self.method = method
         self.options = options
         self.skip_policy, self.draft_policy = build_policies(method, options)
+        prepare_costs(self.model, self.skip_policy, self.draft_policy)  # measured now, never inside a timed run
         self.last_result: GenerationResult | None = None
 
     @property

@@ -1,6 +1,7 @@
-"""Command line: ``selfspec generate | models | search | bench``.
+"""Command line: ``selfspec generate | models | kernels | search | bench``.
 
     selfspec models
+    selfspec kernels                     # which kernel computes each product here, in GB/s against the bound
     selfspec generate --prompt "Why is the sky blue?" --method asd --compare
     selfspec generate --model gemma3-270m --raw --prompt "def fib(n):" --method static --skip-set '{"mlp": [4, 8]}'
     selfspec search --dataset xsum --limit 8 --iterations 200 --out skips.json
@@ -23,6 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--kernels", default="auto", choices=("auto", "torch"),
+                   help="linear kernels: measured fastest on this machine (auto, default) or torch's own")
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("kernels", help="which kernel computes each product on this machine, measured (GB/s)")
+    _add_model_args(p)
+    p.add_argument("--force", action="store_true", help="measure again even if a cached choice exists")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=cmd_kernels)
+
     p = sub.add_parser(
         "search",
         help="Draft & Verify: search a skip set offline by Bayesian optimisation of measured speed",
@@ -195,7 +204,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = _sampling_kwargs(args)
     text = _read_prompt_text(args)
-    model = load(args.model, device=args.device, dtype=args.dtype)
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     prompt = _as_prompt(text, args, model)
     session = Session(model, args.method, **options)
     if args.compare:
@@ -274,7 +283,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     draft = {k: getattr(args, k) for k in ("max_draft", "draft_length", "gamma") if getattr(args, k) is not None}
     build_policies("static", {"skip_set": SkipSet(), **draft})  # draft options checked before the (slow) model load
     load_prompts(args.dataset, limit=1, chat=False)  # unknown dataset: fail before loading the model
-    model = load(args.model, device=args.device, dtype=args.dtype)
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     prompts = load_prompts(args.dataset, limit=args.limit, chat=model.has_chat_template, offset=args.offset)
     calibration = {"dataset": args.dataset, "offset": args.offset, "limit": args.limit}
     result = search_skip_set(
@@ -312,7 +321,7 @@ def cmd_train_s3d(args: argparse.Namespace) -> int:
         except ValueError:
             raise InvalidInputError(f"--skip must look like FROM-TO (e.g. 8-22), got {args.skip!r}") from None
         skip = (lo, hi + 1)
-    model = load(args.model, device=args.device, dtype=args.dtype)
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
     if skip is None:
         config = S3DConfig.default(model.num_layers, args.gamma)
         config = S3DConfig(config.skip_from, config.skip_to, args.gamma, args.rank)
@@ -340,6 +349,24 @@ def cmd_models(args: argparse.Namespace) -> int:
         state = "installed" if m["installed"] else f"not installed ({m['install']})"
         conv = ", converted" if m["converted"] else ""
         print(f"{m['name']:14s} {state}{conv}\n{'':14s} {m['description']}")
+    return 0
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from .costs import decode_step_ms
+    from .kernel_plan import format_report
+    from .models import load
+
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+    report = model.choose_kernels(force=True) if args.force else model.kernel_report
+    steps = decode_step_ms(model)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "bound_ms": report.bound_ms, "step_ms": steps,
+                          "extra_bytes": model.adapter.kernel_memory()}))  # fmt: skip
+        return 0
+    print(format_report(report, steps[1] if report.bandwidth_gbs else None))
+    print("full-model pass over T new tokens (ms): " + ", ".join(f"T={t} {ms:.1f}" for t, ms in steps.items()))
+    print(f"prepared weight copies (packed / low precision) in use: {model.adapter.kernel_memory() / 1e6:.0f} MB")
     return 0
 
 

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ import torch
 
 from .skipset import SkipSet
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
 PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MIN_AGREEMENT = 0.9  # a draft precision must reproduce at least this share of the full model's greedy tokens
@@ -123,7 +124,8 @@ def profile_key(model) -> str:
     cfg = model.hf.config
     shape = f"{cfg.model_type}-{model.num_layers}x{cfg.hidden_size}-v{model.adapter.vocab_size}"
     place = f"{model.adapter.device}-{str(model.adapter.dtype).replace('torch.', '')}-t{torch.get_num_threads()}"
-    digest = hashlib.sha1(f"{model.name}|{shape}|{place}|{torch.__version__}".encode()).hexdigest()[:10]
+    kernels = getattr(getattr(model, "kernel_report", None), "key", "")  # costs follow the kernels chosen
+    digest = hashlib.sha1(f"{model.name}|{shape}|{place}|{torch.__version__}|{kernels}".encode()).hexdigest()[:10]
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model.name.split("/")[-1])
     return f"{safe}-{shape}-{place}-{digest}"
 
@@ -148,7 +150,10 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
         except (ValueError, KeyError, TypeError):
             prof = None  # stale or damaged: measure again
     if prof is None:
+        print(f"selfspec: measuring the decoding costs of {model.name} on this machine (once, about "
+              f"{_estimate_s(model):.0f} s)...", file=sys.stderr)
         prof = measure_profile(model, key=key)
+        model.adapter.release_draft_copies(PRECISIONS[prof.best_precision()])  # keep only the copy "auto" uses
         if cache:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -156,6 +161,20 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
             tmp.replace(path)
     _MEMORY[key] = prof
     return prof
+
+
+def prepare_costs(model, *policies) -> None:
+    """Measure (or load) the cost profile now if one of ``policies`` will need it, so that the first timed
+    generation does not pay for the measurement."""
+    if any(getattr(p, "needs_profile", False) for p in policies if p is not None):
+        cost_profile(model)
+
+
+def _estimate_s(model) -> float:
+    """A rough duration of :func:`measure_profile` for the progress line: about 80 passes of growing size."""
+    report = getattr(model, "kernel_report", None)
+    bound = report.bound_ms if report is not None and report.bandwidth_gbs else 20.0
+    return max(1.0, 10 * len(GRID) * 3 * bound / 1000)
 
 
 @torch.inference_mode()
@@ -217,6 +236,30 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
         scale = (full - base) / (L * (attention + mlp)) if attention + mlp > 0 else 0.0  # parts add up to the whole
         drafts[name] = DraftCosts(attention * scale, mlp * scale, base, agreement[name])
     return CostProfile(key or profile_key(model), forward, drafts, L)
+
+
+@torch.inference_mode()
+def decode_step_ms(model, rows=(1, 2, 4, 8, 16), *, context: int = 128, reps: int = 15) -> dict[int, float]:
+    """Median ms of one full-model pass over T new tokens on a warm cache of ``context`` tokens (the figure
+    ``selfspec kernels`` sets against the weight-read bound)."""
+    engine = model.engine
+    context = max(8, min(context, model.max_context // 2 - max(rows)))
+    cache = engine.new_cache(context + max(rows))
+    engine.forward(cache, _text_ids(model, context), 0)
+    cache.commit(context)
+    gen = random.Random(0)
+    out = {}
+    for T in rows:
+        times = []
+        for _ in range(reps + 1):
+            ids = torch.tensor([gen.randrange(model.adapter.vocab_size) for _ in range(T)], device=engine.device)
+            _sync(engine.device)
+            t0 = time.perf_counter()
+            engine.forward(cache, ids, context, last_only=True)
+            _sync(engine.device)
+            times.append(1000 * (time.perf_counter() - t0))
+        out[T] = statistics.median(times[1:])
+    return out
 
 
 def _non_decreasing(values: list[float]) -> list[float]:

@@ -1,45 +1,56 @@
-"""A faster linear layer for the few-token forwards of speculative decoding on CPU.
+"""The kernel layer: the linear products of decoding, computed the fastest correct way on this machine.
 
-On our 2-core CPU, ``F.linear(x, W)`` with 2..16 rows of ``x`` costs up to 2x
-a single-row call: the BLAS kernel behind ``x @ W.T`` handles small row counts
-poorly.  Computing ``(W @ x.T).T`` instead lets BLAS stream ``W`` once with a
-tiny right-hand side.  Measured over all 211 linear layers of SmolLM2-135M
-(ms, median of 7, 2 threads)::
+Matrix products are nearly all of a decoding step (88% of a one-token pass on
+our 2-core CPU), and the right way to compute a product with 1..16 rows (one
+token, a draft chain, a verification tree) depends on the machine, the dtype
+and the row count.  Measured on an AMD EPYC (Zen 5, 2 cores), one pass over
+all 211 linear layers of SmolLM2-135M (538 MB fp32, weights streamed from
+memory), ms::
 
-    rows          1    2    3    4    6    8   12   16
-    F.linear     50   92  119   82   94   95  110  121
-    W @ x.T      49   41   55   41   72   76   97   83
+    rows                       1     2     4     8    16    64
+    torch F.linear (MKL)      32    50    47    43    55   113
+    W @ x.T (MKL)             35    15    17    34    45   103
+    oneDNN, packed weights    15    15    14    17    20    48
+    OpenBLAS (numpy)          13    37    37    31    40    91
 
-and for a whole forward pass (ms, median of 5)::
+This module holds the candidates (:data:`KERNELS`), one :class:`KernelLinear`
+per linear layer that computes with whichever kernel the :class:`KernelPlan`
+names for its dtype and row count, and the scoped switches of draft passes
+(:func:`draft_precision`, :func:`draft_adapters`).  Which kernel wins is
+measured per machine and model by :mod:`selfspec.kernel_plan` (``selfspec
+kernels`` prints the report).
 
-    tokens        1    2    4    6    8   12
-    F.linear     77  128  142  143  146  163
-    W @ x.T      76   96  101  143  135  171
+Rules that keep it correct:
 
-:func:`install` swaps every ``nn.Linear`` of a model for :class:`SmallBatchLinear`,
-sharing the weights; results agree with ``F.linear`` to float rounding.
-Single rows (vanilla decoding, drafting) and long inputs (prefill) keep
-``F.linear``, so vanilla decoding keeps transformers' exact numerics; GPUs keep
-``F.linear`` throughout.  Re-measure with ``python -m selfspec.kernels``.
-
-**Low-precision drafting.**  Inside :func:`draft_precision`, every
-:class:`SmallBatchLinear` computes with a half-precision copy of its weight
-(made once, kept beside the module, refreshed if the weight is changed in
-place).  A draft pass is only a guess that the full model verifies, so its
-numerics may differ; what matters is cost.  On our CPU an fp16 product with
-one row costs a fifth of the fp32 one (73 vs 362 us for a 1536x576 weight),
-and the matrix products are 80% of a pass: a draft pass with fp16 weights
-costs about 30 ms instead of 78, and agrees with the fp32 model on nearly every
-token (SmolLM2: acceptance 0.94-1.0).  :mod:`selfspec.costs` measures whether
-this holds on the machine at hand before a method uses it.
+* The user's model is never modified: an adapter builds *shadow* copies of
+  the decoder layers and the LM head (:func:`shadow`) whose linear layers are
+  :class:`KernelLinear` sharing the original parameters.  ``model.generate``
+  on the user's model stays stock transformers.
+* Verification and vanilla decoding compute in the model's own dtype; only
+  draft passes may use a cheaper copy (``draft_precision``), which the full
+  model then verifies.
+* Kernels with a thread pool of their own (OpenBLAS through numpy) are
+  measured for the report but never chosen: two pools at full width on the
+  same cores make each spin while the other works (measured: a T=1 OpenBLAS
+  pass alternating with a T=4 MKL pass took 88 ms where the two alone took
+  13 + 31).  Every chosen kernel runs on torch's own pool.
+* Prepared weights (a packed or low-precision copy) are made on first use,
+  refreshed when the weight changes in place, and only for the kernels the
+  plan uses; :func:`prepared_bytes` reports what they cost.
+* Under autograd (S3D's training) the plain ``F.linear`` path runs, so
+  gradients flow exactly as in torch.
+* CPU-only kernels never run on another device: on CUDA or MPS every product
+  is ``F.linear``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
+import copy
 from collections.abc import Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,14 +59,15 @@ from torch import nn
 # The dtype draft passes compute their linear layers in (None: the model's own).  A context variable, set
 # only for the duration of one forward call by :func:`draft_precision`, never left switched on.
 _DRAFT_DTYPE: ContextVar[torch.dtype | None] = ContextVar("selfspec_draft_dtype", default=None)
-_LOW_PRECISION: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> {dtype: (version, w, b)}
 # Low-rank adapters active only while drafting (S3D): module -> (A [r, in], B [out, r], scale); None: off.
 _DRAFT_ADAPTERS: ContextVar[dict | None] = ContextVar("selfspec_draft_adapters", default=None)
+
+PACK_ROWS = 16  # the row count oneDNN lays packed weights out for; measured as good as per-row packing for 1..64
 
 
 @contextlib.contextmanager
 def draft_precision(dtype: torch.dtype | None) -> Iterator[None]:
-    """Linear layers of :class:`SmallBatchLinear` compute in ``dtype`` within this block (None: unchanged)."""
+    """Linear layers of :class:`KernelLinear` compute in ``dtype`` within this block (None: unchanged)."""
     token = _DRAFT_DTYPE.set(dtype)
     try:
         yield
@@ -65,7 +77,7 @@ def draft_precision(dtype: torch.dtype | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def draft_adapters(adapters: dict | None) -> Iterator[None]:
-    """Within this block, each :class:`SmallBatchLinear` in ``adapters`` adds its low-rank update
+    """Within this block, each :class:`KernelLinear` in ``adapters`` adds its low-rank update
     ``scale * B(A x)``; outside it the model is untouched (so verification stays the full model)."""
     token = _DRAFT_ADAPTERS.set(adapters)
     try:
@@ -74,21 +86,132 @@ def draft_adapters(adapters: dict | None) -> Iterator[None]:
         _DRAFT_ADAPTERS.reset(token)
 
 
-def _low_precision_weights(module: nn.Linear, dtype: torch.dtype):
-    version = module.weight._version
-    copies = _LOW_PRECISION.setdefault(module, {})
-    cached = copies.get(dtype)
-    if cached is None or cached[0] != version:
-        w = module.weight.detach().to(dtype)
-        b = module.bias.detach().to(dtype) if module.bias is not None else None
-        cached = copies[dtype] = (version, w, b)
-    return cached[1], cached[2]
-
-MIN_ROWS, MAX_ROWS = 2, 16  # measured range where W @ x.T wins; elsewhere F.linear
+# -- the candidates ----------------------------------------------------------------------------------------------
 
 
-class SmallBatchLinear(nn.Linear):
-    """``nn.Linear`` computing few-row products as ``W @ x.T`` on CPU."""
+@dataclass(frozen=True)
+class Kernel:
+    """One way to compute ``x @ W.T + b`` for a 2-D ``x`` ``[rows, in]``."""
+
+    name: str
+    description: str
+    own_pool: bool = False  # runs on a thread pool other than torch's (measured for the report, never chosen)
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this kernel cannot run for ``device``/``dtype`` (None: it can)."""
+        return None
+
+    def prepare(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:
+        """The weight in the form :meth:`run` takes (made once per weight version)."""
+        return weight.detach() if weight.dtype == dtype else weight.detach().to(dtype)
+
+    def run(self, x: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, prepared, bias)
+
+
+class _Transposed(Kernel):
+    def unavailable(self, device, dtype):
+        return None if device.type == "cpu" else "CPU only"
+
+    def run(self, x, prepared, bias):
+        y = torch.mm(prepared, x.T).T  # [rows, out]: BLAS streams W once with a thin right-hand side
+        return y if bias is None else y + bias
+
+
+class _OneDNN(Kernel):
+    def unavailable(self, device, dtype):
+        if device.type != "cpu":
+            return "CPU only"
+        if not torch.backends.mkldnn.is_available():
+            return "torch built without oneDNN"
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return "this CPU has no bfloat16 support in oneDNN"
+        if dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+            return "this CPU has no float16 support in oneDNN (needs AVX512-FP16 or AVX-NE-CONVERT)"
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"no oneDNN linear for {dtype}"
+        return None
+
+    def prepare(self, weight, dtype):
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), PACK_ROWS)
+
+    def run(self, x, prepared, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
+
+
+class _OpenBLAS(Kernel):
+    def unavailable(self, device, dtype):
+        if device.type != "cpu" or dtype != torch.float32:
+            return "CPU float32 only"
+        return None
+
+    def prepare(self, weight, dtype):
+        return weight.detach().numpy()
+
+    def run(self, x, prepared, bias):
+        y = torch.from_numpy(x.numpy() @ prepared.T)
+        return y if bias is None else y + bias
+
+
+TORCH = Kernel("torch", "torch's F.linear (MKL on x86 CPUs, cuBLAS on CUDA)")
+KERNELS: dict[str, Kernel] = {
+    k.name: k
+    for k in (
+        TORCH,
+        _Transposed("transposed", "(W @ x.T).T through torch's BLAS: W streamed once with a thin right side"),
+        _OneDNN("onednn", f"oneDNN through torch, weights packed once for {PACK_ROWS} rows"),
+        _OpenBLAS("openblas", "numpy's OpenBLAS (reference only: its own thread pool)", own_pool=True),
+    )
+}
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------
+
+
+class KernelPlan:
+    """Which kernel computes a product of ``rows`` rows in ``dtype``: ``choices[dtype] = [(max_rows, name)]``
+    in increasing ``max_rows``; rows past the last bound take the last kernel.  Dtypes not listed use torch's."""
+
+    _LOOKUP = 257  # row counts up to this are looked up in a table; larger ones scan the bounds
+
+    def __init__(self, choices: dict[torch.dtype, list[tuple[int, str]]] | None = None) -> None:
+        self.choices = {dt: sorted(c) for dt, c in (choices or {}).items()}
+        self._lookup: dict[torch.dtype, list[Kernel]] = {}
+        for dt, bounds in self.choices.items():
+            table: list[Kernel] = []
+            for max_rows, name in bounds:
+                table.extend([KERNELS[name]] * max(0, min(max_rows + 1, self._LOOKUP) - len(table)))
+            self._lookup[dt] = table
+
+    def kernel(self, dtype: torch.dtype, rows: int) -> Kernel:
+        table = self._lookup.get(dtype)
+        if not table:
+            return TORCH
+        if rows < len(table):
+            return table[rows]
+        bounds = self.choices[dtype]
+        return KERNELS[next((name for max_rows, name in bounds if rows <= max_rows), bounds[-1][1])]
+
+    def names(self) -> set[str]:
+        return {name for bounds in self.choices.values() for _, name in bounds}
+
+    def __repr__(self) -> str:
+        return f"KernelPlan({self.choices})"
+
+
+TORCH_ONLY = KernelPlan()
+
+
+class KernelLinear(nn.Module):
+    """A linear layer sharing an ``nn.Linear``'s parameters, computing with the plan's kernel."""
+
+    def __init__(self, linear: nn.Linear, plan: KernelPlan) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: no copy, and in-place changes are seen
+        self.bias = linear.bias
+        self.plan = plan
+        self._prepared: dict[tuple[str, torch.dtype], tuple[int, Any, torch.Tensor | None]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         adapters = _DRAFT_ADAPTERS.get()
@@ -102,61 +225,87 @@ class SmallBatchLinear(nn.Linear):
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         low = _DRAFT_DTYPE.get()
-        if low is not None and low != self.weight.dtype:
-            w, b = _low_precision_weights(self, low)
-            return F.linear(x.to(low), w, b).to(x.dtype)
+        dtype = low or self.weight.dtype
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            if dtype == self.weight.dtype:  # training passes: exactly torch's linear, gradients included
+                return F.linear(x, self.weight, self.bias)
+            return F.linear(x.to(dtype), self.weight.to(dtype), None if self.bias is None else self.bias.to(dtype)).to(
+                x.dtype
+            )
         rows = x.numel() // x.shape[-1]
-        if not MIN_ROWS <= rows <= MAX_ROWS or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).T).T  # [rows, out]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        kernel = self.plan.kernel(dtype, rows) if x.device.type == "cpu" else TORCH
+        w, b = self.prepared(kernel, dtype)
+        y = kernel.run(x.reshape(rows, x.shape[-1]).to(dtype), w, b)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def prepared(self, kernel: Kernel, dtype: torch.dtype) -> tuple[Any, torch.Tensor | None]:
+        """The weight (and bias) in ``kernel``'s form and ``dtype``, made on first use and when the weight changed."""
+        version = self.weight._version
+        cached = self._prepared.get((kernel.name, dtype))
+        if cached is None or cached[0] != version:
+            bias = None if self.bias is None else self.bias.detach().to(dtype)
+            cached = self._prepared[(kernel.name, dtype)] = (version, kernel.prepare(self.weight, dtype), bias)
+        return cached[1], cached[2]
+
+    def release(self, keep: set[tuple[str, torch.dtype]] | None = None) -> None:
+        """Drop prepared copies (all, or all but ``keep``)."""
+        for key in list(self._prepared):
+            if keep is None or key not in keep:
+                del self._prepared[key]
+
+    def prepared_bytes(self) -> int:
+        """Bytes held by prepared copies that are not the weight itself."""
+        total = 0
+        for _, w, b in self._prepared.values():
+            if isinstance(w, torch.Tensor) and not w.is_mkldnn and w.data_ptr() == self.weight.data_ptr():
+                continue
+            shares_bias = b is None or (self.bias is not None and b.data_ptr() == self.bias.data_ptr())
+            total += _nbytes(w) + (0 if shares_bias else _nbytes(b))
+        return total
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def install(model: nn.Module) -> int:
-    """Use :class:`SmallBatchLinear` for every plain ``nn.Linear`` of ``model``; returns how many."""
-    return _swap(model, nn.Linear, SmallBatchLinear)
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        if t.is_mkldnn:  # opaque layout: count the logical elements
+            return t.numel() * t.element_size()
+        return t.untyped_storage().nbytes()
+    return int(getattr(t, "nbytes", 0))
 
 
-def uninstall(model: nn.Module) -> int:
-    """Back to plain ``nn.Linear`` (e.g. to time transformers as users run it)."""
-    return _swap(model, SmallBatchLinear, nn.Linear)
+# -- shadow modules ------------------------------------------------------------------------------------------------
 
 
-def _swap(model: nn.Module, old: type, new: type) -> int:
-    n = 0
-    for module in model.modules():
-        if type(module) is old:  # exact type: never touch quantised or LoRA subclasses
-            module.__class__ = new  # same parameters, same state dict; only forward changes
-            n += 1
-    return n
+def shadow(module: nn.Module, plan: KernelPlan, *, config: Any = None) -> nn.Module:
+    """A copy of ``module`` whose ``nn.Linear`` leaves are :class:`KernelLinear` and whose other submodules are
+    shallow copies sharing their parameters and buffers; ``module`` itself is left untouched.  Submodules with
+    a ``config`` attribute get ``config`` instead when it is given (the adapter's own copy)."""
+    if isinstance(module, nn.Linear) and type(module) is nn.Linear:  # never quantised or LoRA subclasses
+        return KernelLinear(module, plan)
+    new = copy.copy(module)
+    new.__dict__["_parameters"] = dict(module._parameters)
+    new.__dict__["_buffers"] = dict(module._buffers)
+    new.__dict__["_modules"] = {name: None if child is None else shadow(child, plan, config=config)
+                                for name, child in module._modules.items()}  # fmt: skip
+    if config is not None and "config" in new.__dict__:
+        new.__dict__["config"] = config
+    return new
 
 
-def _measure() -> None:  # pragma: no cover - a manual tool
-    import statistics
-    import time
-
-    from .models import load
-
-    model = load()
-    weights = [m.weight.detach() for m in model.hf.modules() if isinstance(m, nn.Linear)]
-    print(f"{len(weights)} linear layers; ms per pass over all of them (median of 5)")
-    for rows in (1, 2, 3, 4, 6, 8, 12, 16):
-        xs = [torch.randn(rows, w.shape[1]) for w in weights]
-        times: dict[str, list[float]] = {"F.linear": [], "W @ x.T": []}
-        with torch.inference_mode():
-            for _ in range(5):
-                for name in times:
-                    t = time.perf_counter()
-                    for w, x in zip(weights, xs, strict=True):
-                        if name == "F.linear":
-                            F.linear(x, w)
-                        else:
-                            torch.mm(w, x.T)
-                    times[name].append(1000 * (time.perf_counter() - t))
-        print(f"rows {rows:2d}: " + "  ".join(f"{k} {statistics.median(v):6.1f}" for k, v in times.items()))
+def kernel_linears(module: nn.Module) -> list[KernelLinear]:
+    return [m for m in module.modules() if isinstance(m, KernelLinear)]
 
 
-if __name__ == "__main__":  # pragma: no cover
-    _measure()
+def set_plan(modules: list[KernelLinear], plan: KernelPlan) -> None:
+    """Use ``plan`` from now on; prepared copies the new plan does not use are dropped."""
+    for m in modules:
+        m.plan = plan
+        keep = {(k, dt) for dt, bounds in plan.choices.items() for _, k in bounds}
+        m.release(keep | {(TORCH.name, m.weight.dtype)})
+
+
+def prepared_bytes(modules: list[KernelLinear]) -> int:
+    """Extra memory of all prepared copies (packed and low-precision weights) of ``modules``."""
+    return sum(m.prepared_bytes() for m in modules)

@@ -27,8 +27,10 @@ import torch
 from .adapters import LlamaAdapter, adapter_for
 from .engine import Engine
 from .errors import InvalidInputError, ModelNotFoundError, SelfspecError
+from .kernel_plan import KernelReport, choose_plan, torch_only
 
 DEFAULT_MODEL = "smollm2-135m"
+KERNEL_MODES = ("auto", "torch")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -78,13 +80,27 @@ class Model:
     hf: Any  # transformers PreTrainedModel
     tokenizer: Any
     source: str
+    kernels: str = "auto"  # "auto": measured per machine and model (selfspec.kernel_plan); "torch": torch's own
     adapter: LlamaAdapter = field(init=False)
     engine: Engine = field(init=False)
+    kernel_report: KernelReport = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_MODES:
+            raise InvalidInputError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {self.kernels!r}")
         self.hf.eval()
         self.adapter = adapter_for(self.hf)
         self.engine = Engine(self.adapter)
+        self.choose_kernels(force=False)
+
+    def choose_kernels(self, *, force: bool = False) -> KernelReport:
+        """Measure (or load from the cache) which kernel computes each product, and use it."""
+        if self.kernels == "torch":
+            self.kernel_report = torch_only(self.adapter.linears, self.adapter.device, "kernels='torch': torch's own")
+        else:
+            self.kernel_report = choose_plan(self.adapter.linears, self.adapter.device, force=force)
+        self.adapter.set_kernel_plan(self.kernel_report.plan())
+        return self.kernel_report
 
     @property
     def num_layers(self) -> int:
@@ -132,8 +148,11 @@ class Model:
 # -- public entry points ---------------------------------------------------------
 
 
-def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float32") -> Model:
-    """Load a built-in model name, a local HF directory, a local ``.gguf`` file or a hub id."""
+def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float32", kernels: str = "auto") -> Model:
+    """Load a built-in model name, a local HF directory, a local ``.gguf`` file or a hub id.
+
+    ``kernels="auto"`` computes the linear products with the kernels measured fastest on this machine
+    (once per machine and model, cached; ``selfspec kernels`` shows the report); ``"torch"`` keeps torch's."""
     torch_dtype = _parse_dtype(dtype)
     dev = _parse_device(device)
     _quiet_transformers()
@@ -163,7 +182,7 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
                 f"unknown model '{name}': not a built-in name ({', '.join(BUILTINS)}), a local path, or a hub id"
             )
     hf, tokenizer = _from_pretrained(hf_dir, torch_dtype, name)
-    return Model(name=name, hf=hf.to(dev), tokenizer=tokenizer, source=source)
+    return Model(name=name, hf=hf.to(dev), tokenizer=tokenizer, source=source, kernels=kernels)
 
 
 def list_models() -> list[dict[str, Any]]:
@@ -180,9 +199,9 @@ def list_models() -> list[dict[str, Any]]:
     ]
 
 
-def model_from_hf(hf_model: Any, tokenizer: Any, name: str = "custom") -> Model:
-    """Wrap an already loaded HF causal LM (e.g. a tiny random test model)."""
-    return Model(name=name, hf=hf_model, tokenizer=tokenizer, source="in-memory model")
+def model_from_hf(hf_model: Any, tokenizer: Any, name: str = "custom", *, kernels: str = "auto") -> Model:
+    """Wrap an already loaded HF causal LM (e.g. a tiny random test model); the model object stays as it was."""
+    return Model(name=name, hf=hf_model, tokenizer=tokenizer, source="in-memory model", kernels=kernels)
 
 
 # -- helpers ------------------------------------------------------------------------

@@ -136,6 +136,11 @@ def uniform_skip_set(num_layers: int) -> SkipSet:
 class SwiftPolicy:
     needs_cosine = False
 
+    @property
+    def needs_profile(self) -> bool:
+        """Whether binding will read the model's cost profile (so that it can be measured before timing)."""
+        return self.config.objective == "speed"
+
     def __init__(self, config: SwiftConfig | None = None, *, state_path: str | Path | None = None) -> None:
         self.config = config or SwiftConfig()
         self.state_path = Path(state_path) if state_path is not None else None

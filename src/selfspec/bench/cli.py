@@ -55,6 +55,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--kernels", default="auto", choices=("auto", "torch"),
+                   help="linear kernels of our engine: measured fastest here (auto, default) or torch's own")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", help="xsum, humaneval, mtbench or PATH.jsonl (default xsum)")
     src.add_argument("--stream", help="domain-shift stream: comma-separated datasets, e.g. xsum,humaneval,mtbench")
@@ -96,6 +98,8 @@ def _command_line(args: argparse.Namespace) -> str:
         argv += ["--device", args.device]
     if args.dtype != "float32":
         argv += ["--dtype", args.dtype]
+    if args.kernels != "auto":
+        argv += ["--kernels", args.kernels]
     return shlex.join(argv)
 
 
@@ -132,7 +136,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 def _load_model(args: argparse.Namespace):
     from ..models import load
 
-    return load(args.model, device=args.device, dtype=args.dtype)
+    return load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
