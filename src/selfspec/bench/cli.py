@@ -74,6 +74,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch.set_num_threads for the whole run (default: torch's)")
     p.add_argument("--window", type=int, default=5, help="rolling window of the stream acceptance plot (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--llama-cpp", metavar="PATH",
+                   help="llama-server binary (or its folder) for the llamacpp peer (default: PATH)")
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -100,6 +102,8 @@ def _command_line(args: argparse.Namespace) -> str:
         argv += ["--dtype", args.dtype]
     if args.kernels != "auto":
         argv += ["--kernels", args.kernels]
+    if args.llama_cpp:
+        argv += ["--llama-cpp", args.llama_cpp]
     return shlex.join(argv)
 
 
@@ -155,6 +159,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out_dir = args.out or Path("runs") / f"bench-{started.strftime('%Y%m%d-%H%M%S')}"
     console = Console(stderr=True)
 
+    if args.llama_cpp:
+        import os
+
+        from .llamacpp import ENV
+
+        os.environ[ENV] = args.llama_cpp  # where the llamacpp peer looks first (after its own bin= option)
     model = _load_model(args)
     chat = model.has_chat_template
     prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=chat, offset=args.offset)]

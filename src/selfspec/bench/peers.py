@@ -35,6 +35,7 @@ from ..decoding import GenerationStats
 from ..errors import InvalidInputError
 from ..models import Model
 from ..sampling import GREEDY, SamplingParams
+from . import llamacpp
 from .spec import BenchMethod
 
 
@@ -60,10 +61,13 @@ def early_exit_layer(model: Model, method: BenchMethod) -> int:
     return layer
 
 
-def check_peer(model: Model, method: BenchMethod) -> None:
-    """Model-dependent checks, before any timing starts."""
+def check_peer(model: Model, method: BenchMethod) -> str | None:
+    """Model-dependent checks, before any timing starts; returns why the peer is skipped here (None: it runs)."""
     if method.name == "hf-early-exit":
         early_exit_layer(model, method)
+    if method.name == "llamacpp":
+        return llamacpp.skip_reason(model, method.options)
+    return None
 
 
 def generate_kwargs(model: Model, method: BenchMethod) -> dict[str, Any]:
@@ -136,6 +140,8 @@ def run_peer(model: Model, method: BenchMethod, prompt_ids: list[int], max_new_t
     Under sampling, transformers draws from torch's global generator, seeded
     here with the prompt's seed (it offers no per-call generator).
     """
+    if method.name == "llamacpp":
+        return llamacpp.run(model, method.options, prompt_ids, max_new_tokens, sampling)
     eos = model.eos_token_ids
     pad = model.tokenizer.pad_token_id
     if pad is None:

@@ -45,7 +45,7 @@ from ..errors import InvalidInputError
 from ..models import Model
 from ..sampling import GREEDY, SamplingParams
 from .peers import check_peer, run_peer
-from .spec import BenchMethod, baseline_of, parse_methods, with_baseline
+from .spec import PEERS, BenchMethod, baseline_of, parse_methods, with_baseline
 from .system import PeakMemory
 
 
@@ -190,9 +190,10 @@ def run_benchmark(
         raise InvalidInputError("no prompts to benchmark")
     if max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    for m in specs:
-        if m.is_peer:
-            check_peer(model, m)
+    skipped = {m.label: why for m in specs if m.is_peer and (why := check_peer(model, m))}
+    for label, why in skipped.items():
+        print(f"selfspec bench: {label} skipped: {why}", file=sys.stderr)
+    specs = [m for m in specs if m.label not in skipped]
     if threads is not None:
         torch.set_num_threads(threads)
     runner = _Runner(model, specs, max_new_tokens, sampling)
@@ -235,8 +236,9 @@ def run_benchmark(
             if on_progress is not None:
                 on_progress(done, total, m.label)
         base = next(r for r in row if r.method == baseline.label)
-        for rec in row:
-            same = None if not (rec.ok and base.ok and sampling.greedy) else rec.token_ids == base.token_ids
+        for m, rec in zip(specs, row, strict=True):
+            judged = rec.ok and base.ok and sampling.greedy and not (m.is_peer and not PEERS[m.name].judged)
+            same = rec.token_ids == base.token_ids if judged else None
             records.append(dataclasses.replace(rec, identical_to_vanilla=same))
     if bar is not None:
         bar.close()

@@ -36,6 +36,7 @@ class PeerSpec:
     summary: str
     options: dict[str, str]
     positional: str | None  # the option a bare value sets
+    judged: bool = True  # outputs compared with vanilla's (False: another engine, which rounds differently)
 
 
 PEERS: dict[str, PeerSpec] = {
@@ -57,6 +58,17 @@ PEERS: dict[str, PeerSpec] = {
             "tokens": "num_assistant_tokens: draft tokens per round (default: transformers' own)",
         },
         "layer",
+    ),
+    "llamacpp": PeerSpec(
+        "llamacpp",
+        "llama.cpp's llama-server on the model's GGUF file (run only where the binary is found)",
+        {
+            "bin": "llama-server binary or its folder (default: --llama-cpp, $SELFSPEC_LLAMA_CPP, PATH)",
+            "gguf": "GGUF file (default: the built-in model's, or the .gguf the model was loaded from)",
+            "threads": "threads (default: torch's thread count)",
+        },
+        "gguf",
+        judged=False,
     ),
 }
 
