@@ -7,11 +7,11 @@ import torch
 from conftest import tiny_model
 from torch import nn
 
-from selfspec import kernels
-from selfspec.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
-from selfspec.drafting import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
-from selfspec.economy import Calibration, Economy
-from selfspec.skipset import SkipSet
+from selfspec.core import kernels
+from selfspec.cost.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
+from selfspec.drafters.layerskip import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
+from selfspec.cost.economy import Calibration, Economy
+from selfspec.core.skipset import SkipSet
 
 
 def _profile(forward=None, drafts=None) -> CostProfile:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from selfspec import kernels
+from selfspec.core import kernels
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 40])

@@ -10,11 +10,11 @@ import torch
 from conftest import tiny_model
 
 import selfspec
-from selfspec.costs import CostProfile, DraftCosts
-from selfspec.decoding import RoundContext, prefill
+from selfspec.cost.costs import CostProfile, DraftCosts
+from selfspec.decoding.loop import RoundContext, prefill
 from selfspec.errors import InvalidInputError
-from selfspec.skipset import SkipSet
-from selfspec.swift import SwiftConfig, SwiftPolicy, predicted_speedup, uniform_skip_set
+from selfspec.core.skipset import SkipSet
+from selfspec.policies.swift import SwiftConfig, SwiftPolicy, predicted_speedup, uniform_skip_set
 
 STREAM = [
     "The quick brown fox jumps over the lazy dog; sliding windows must hold over long prompts too.",

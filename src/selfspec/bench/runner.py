@@ -40,10 +40,10 @@ import torch
 
 from ..api import Session
 from ..datasets import PromptItem
-from ..decoding import check_lengths, prefill_cosine
+from ..decoding.loop import check_lengths, prefill_cosine
 from ..errors import InvalidInputError
-from ..models import Model
-from ..sampling import GREEDY, SamplingParams
+from ..model.models import Model
+from ..core.sampling import GREEDY, SamplingParams
 from .peers import check_peer, run_peer
 from .spec import BenchMethod, baseline_of, parse_methods, with_baseline
 from .system import PeakMemory

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from .adapters import LlamaAdapter, adapter_for
+from ..arch.adapters import LlamaAdapter, adapter_for
 from .engine import Engine
-from .errors import InvalidInputError, ModelNotFoundError, SelfspecError
+from ..errors import InvalidInputError, ModelNotFoundError, SelfspecError
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -344,8 +344,8 @@ def _from_pretrained(where: Path | str, dtype: torch.dtype, name: str):
         ) from None
     except ValueError as exc:
         raise SelfspecError(f"model '{name}' has an unreadable config: {str(exc).splitlines()[0][:200]}") from None
-    from .adapters import SUPPORTED_MODEL_TYPES
-    from .errors import UnsupportedModelError
+    from ..arch.adapters import SUPPORTED_MODEL_TYPES
+    from ..errors import UnsupportedModelError
 
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(

@@ -54,8 +54,8 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidInputError
-from .skipset import SkipSet
+from ..errors import InvalidInputError
+from ..core.skipset import SkipSet
 
 STATE_VERSION = 1
 
@@ -161,7 +161,7 @@ class SwiftPolicy:
         if self._drafter is not None:
             self._precision_name = self._drafter.precision(model)
         if self.config.objective == "speed" and self._profile is None:
-            from .costs import cost_profile
+            from ..cost.costs import cost_profile
 
             self._profile = cost_profile(model)
         self._last_round_end = None

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .skipset import SkipSet
+from ..core.skipset import SkipSet
 
 PROFILE_VERSION = 3
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
@@ -255,7 +255,7 @@ def _sync(device: torch.device) -> None:
 def _main() -> None:  # pragma: no cover - a manual tool
     import argparse
 
-    from .models import load
+    from ..model.models import load
 
     p = argparse.ArgumentParser(description="measure (or show) the cost profile of a model on this machine")
     p.add_argument("model", nargs="?", default="smollm2-135m")

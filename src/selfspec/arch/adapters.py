@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from . import kernels
-from .errors import UnsupportedModelError
+from ..core import kernels
+from ..errors import UnsupportedModelError
 
 RotaryTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [1, T, head_dim]
 

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .economy import Economy
-from .errors import InvalidInputError
-from .sampling import GREEDY, SamplingParams, sample_without_replacement, warp
-from .skipset import SkipSet
-from .trees import DraftTree
+from ..cost.economy import Economy
+from ..errors import InvalidInputError
+from ..core.sampling import GREEDY, SamplingParams, sample_without_replacement, warp
+from ..core.skipset import SkipSet
+from ..decoding.trees import DraftTree
 
 # -- draft-length policies ---------------------------------------------------------------------
 
@@ -343,7 +343,7 @@ class Drafter:
         """The draft precision name for ``model`` (``auto`` resolved once, from the cost profile)."""
         if self._precision is None:
             if self.dtype == "auto":
-                from .costs import cost_profile
+                from ..cost.costs import cost_profile
 
                 self._precision = cost_profile(model).best_precision()
             else:
@@ -351,7 +351,7 @@ class Drafter:
         return self._precision
 
     def torch_dtype(self, model) -> torch.dtype | None:
-        from .costs import PRECISIONS
+        from ..cost.costs import PRECISIONS
 
         dtype = PRECISIONS[self.precision(model)]
         return None if dtype is None or dtype == model.adapter.dtype else dtype
@@ -360,7 +360,7 @@ class Drafter:
         """Before a prompt: set up the economy (cost-aware policies) for this draft model."""
         if not self.needs_profile:
             return
-        from .costs import cost_profile
+        from ..cost.costs import cost_profile
 
         profile = cost_profile(model)
         precision = self.precision(model)

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import InvalidInputError, SelfspecError
+from ..errors import InvalidInputError, SelfspecError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -73,7 +73,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    from .sampling import SamplingParams
+    from ..core.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before the model load
     return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_s3d)
 
     try:
-        from .bench.cli import add_bench_parser
+        from .bench import add_bench_parser
     except ImportError:  # pragma: no cover - the harness ships with the package
         pass
     else:
@@ -185,9 +185,9 @@ def _as_prompt(text: str, args: argparse.Namespace, model) -> str | list[dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .api import Session
-    from .methods import build_policies
-    from .models import load
+    from ..api import Session
+    from ..methods import build_policies
+    from ..model.models import load
 
     options = _method_options(args)
     build_policies(args.method, options)  # validate before the (slow) model load
@@ -258,11 +258,11 @@ def _print_stats(stats, base, identical) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from .datasets import load_prompts
-    from .methods import build_policies
-    from .models import load
-    from .search import search_skip_set
-    from .skipset import SkipSet
+    from ..datasets import load_prompts
+    from ..methods import build_policies
+    from ..model.models import load
+    from ..search.offline import search_skip_set
+    from ..core.skipset import SkipSet
 
     for name, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--iterations", args.iterations, 1), ("--init-points", args.init_points, 0),
@@ -295,8 +295,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_train_s3d(args: argparse.Namespace) -> int:
-    from .models import load
-    from .s3d import S3DConfig, train_s3d
+    from ..model.models import load
+    from ..drafters.s3d import S3DConfig, train_s3d
 
     for name, value, low in (("--steps", args.steps, 1), ("--gamma", args.gamma, 1), ("--rank", args.rank, 1),
                              ("--blocks", args.blocks, 1), ("--prompts", args.prompts, 1),
@@ -330,7 +330,7 @@ def cmd_train_s3d(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from .models import list_models
+    from ..model.models import list_models
 
     models = list_models()
     if args.json:

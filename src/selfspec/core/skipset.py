@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 from .acceptance import accept_greedy, accept_sampling
-from .cache import KVCache
-from .engine import SublayerCosine
-from .errors import InvalidInputError
-from .models import Model
-from .sampling import GREEDY, SamplingParams, sample, warp
-from .skipset import SkipSet
+from ..core.cache import KVCache
+from ..model.engine import SublayerCosine
+from ..errors import InvalidInputError
+from ..model.models import Model
+from ..core.sampling import GREEDY, SamplingParams, sample, warp
+from ..core.skipset import SkipSet
 
 
 @dataclass(frozen=True)

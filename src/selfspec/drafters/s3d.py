@@ -44,12 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
-from .drafting import Drafter, DraftOutcome, FixedDraftLength
-from .errors import InvalidInputError
-from .sampling import GREEDY, SamplingParams, sample, warp
-from .skipset import SkipSet
-from .trees import DraftTree
+from ..core import kernels
+from .layerskip import Drafter, DraftOutcome, FixedDraftLength
+from ..errors import InvalidInputError
+from ..core.sampling import GREEDY, SamplingParams, sample, warp
+from ..core.skipset import SkipSet
+from ..decoding.trees import DraftTree
 
 ADAPTER_VERSION = 1
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -258,8 +258,8 @@ TRAIN_SOURCES = (("xsum", 100), ("humaneval", 100), ("mtbench", 40))  # (dataset
 
 def self_distill(model, path: Path, *, prompts: int, new_tokens: int, progress: bool = True) -> list[dict]:
     """Texts = prompt + the model's own greedy continuation; cached in ``path`` (JSONL), extended if short."""
-    from .api import generate
-    from .datasets import load_prompts
+    from ..api import generate
+    from ..datasets import load_prompts
 
     rows: list[dict] = []
     if path.is_file():

@@ -35,14 +35,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .datasets import PromptItem
-from .decoding import Decoder, prefill
-from .engine import SublayerCosine
-from .errors import InvalidInputError
-from .methods import build_policies
-from .models import Model
-from .policies import admg
-from .skipset import SkipSet
+from ..datasets import PromptItem
+from ..decoding.loop import Decoder, prefill
+from ..model.engine import SublayerCosine
+from ..errors import InvalidInputError
+from ..methods import build_policies
+from ..model.models import Model
+from ..policies.skip import admg
+from ..core.skipset import SkipSet
 
 STATE_VERSION = 1
 

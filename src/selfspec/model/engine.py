@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import kernels
-from .adapters import LlamaAdapter
-from .cache import KVCache
-from .skipset import NO_SKIP, SkipSet
+from ..core import kernels
+from ..arch.adapters import LlamaAdapter
+from ..core.cache import KVCache
+from ..core.skipset import NO_SKIP, SkipSet
 
 
 @dataclass(frozen=True)

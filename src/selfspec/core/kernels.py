@@ -137,7 +137,7 @@ def _measure() -> None:  # pragma: no cover - a manual tool
     import statistics
     import time
 
-    from .models import load
+    from ..model.models import load
 
     model = load()
     weights = [m.weight.detach() for m in model.hf.modules() if isinstance(m, nn.Linear)]
