@@ -113,7 +113,7 @@ def test_smollm2_sampling_is_exact(smollm2):
 
 def test_smollm2_s3d_identical(smollm2, tmp_path):
     """An S3D adapter trained for a few steps on the default model: output is still exactly vanilla's."""
-    from selfspec.drafters.s3d import train_s3d
+    from selfspec.train.s3d import train_s3d
 
     train_s3d(smollm2, tmp_path, steps=5, prompts=2, new_tokens=16, progress=False)
     for item in _prompts(chat=True)[:2]:

@@ -296,7 +296,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def cmd_train_s3d(args: argparse.Namespace) -> int:
     from ..model.models import load
-    from ..drafters.s3d import S3DConfig, train_s3d
+    from ..drafters.s3d import S3DConfig
+    from ..train.s3d import train_s3d
 
     for name, value, low in (("--steps", args.steps, 1), ("--gamma", args.gamma, 1), ("--rank", args.rank, 1),
                              ("--blocks", args.blocks, 1), ("--prompts", args.prompts, 1),

@@ -10,24 +10,14 @@ only the new tokens lack the middle layers.
 Unlike the paper, nothing of the model itself is trained: the mask token is a
 learned input vector (not a vocabulary entry, so the full model's output
 layer is unchanged) and the kept layers get low-rank adapters (LoRA) that
-are switched on only inside draft passes (:func:`selfspec.kernels.draft_adapters`).
+are switched on only inside draft passes (:func:`selfspec.core.kernels.draft_adapters`).
 Verification runs the untouched model, so decoding stays exactly lossless.
 
-Training (paper eq. 9) runs on a CPU in minutes: self-distillation on text
-the model itself generates greedily from prompts of the offline datasets
-(prompts not used by the benchmarks' default slices), blocks of ``gamma``
-positions at random places of each text, the mean cross-entropy of the
-block's predictions against the text's next tokens::
-
-    selfspec train-s3d --model smollm2-135m --out adapters/s3d-smollm2 --steps 300
-    selfspec generate --method s3d --adapter adapters/s3d-smollm2 --prompt "..." --compare
-
-The adapter directory holds ``adapter.pt`` (weights), ``config.json`` (the
-model it belongs to, skip range, gamma, rank, the data used, steps, final
-loss), ``loss.png`` (the loss curve), ``data.jsonl`` (the self-distilled
-texts) and ``checkpoint.pt`` (optimiser state; rerunning resumes).
-
-The paper's speed model lives in :mod:`selfspec.s3d_model`.
+Training (paper eq. 9) lives in :mod:`selfspec.train.s3d`; the paper's
+speed model in :mod:`selfspec.train.s3d_speed`.  The adapter directory holds
+``adapter.pt`` (weights, loaded with ``weights_only=True``) and
+``config.json`` (format version, the model it belongs to, skip range, gamma,
+rank, training facts).
 """
 
 from __future__ import annotations
@@ -47,6 +37,7 @@ from torch import nn
 from ..core import kernels
 from .layerskip import Drafter, DraftOutcome, FixedDraftLength
 from ..errors import InvalidInputError
+from ..io import atomic_write, atomic_write_text, check_version, load_tensors, read_json
 from ..core.sampling import GREEDY, SamplingParams, sample, warp
 from ..core.skipset import SkipSet
 from ..decoding.trees import DraftTree
@@ -142,9 +133,10 @@ class S3DAdapter(nn.Module):
     # -- files ------------------------------------------------------------------------------------
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({k: v.detach().cpu() for k, v in self.state_dict().items()}, out_dir / "adapter.pt")
+        state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        atomic_write(out_dir / "adapter.pt", lambda f: torch.save(state, f))
         meta = {"version": ADAPTER_VERSION, "model": self.key, "config": asdict(self.config), **self.meta}
-        (out_dir / "config.json").write_text(json.dumps(meta, indent=1) + "\n")
+        atomic_write_text(out_dir / "config.json", json.dumps(meta, indent=1) + "\n")
 
     @staticmethod
     def load(model, path: str | Path) -> S3DAdapter:
@@ -152,12 +144,13 @@ class S3DAdapter(nn.Module):
         cfg_file, weights = d / "config.json", d / "adapter.pt"
         if not cfg_file.is_file() or not weights.is_file():
             raise InvalidInputError(f"'{d}' is not an S3D adapter directory (train one with `selfspec train-s3d`)")
+        meta = read_json(cfg_file, what="S3D adapter config")
+        check_version(meta, cfg_file, what="S3D adapter config", version=ADAPTER_VERSION)
         try:
-            meta = json.loads(cfg_file.read_text())
             config = S3DConfig(**meta["config"])
-            state = torch.load(weights, map_location="cpu", weights_only=True)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise InvalidInputError(f"S3D adapter '{d}' is unreadable ({exc})") from None
+        except (KeyError, TypeError) as exc:
+            raise InvalidInputError(f"S3D adapter config {cfg_file} is unreadable ({exc})") from None
+        state = load_tensors(weights, what="S3D adapter weights")
         if meta.get("model") != model_key(model):
             raise InvalidInputError(f"S3D adapter '{d}' was trained for {meta.get('model')}, not {model_key(model)}")
         adapter = S3DAdapter(model, config)
@@ -249,202 +242,3 @@ class S3DSkipPolicy:
 
     def observe(self, drafted: int, accepted: int) -> None:
         pass
-
-
-# -- training ----------------------------------------------------------------------------------
-
-TRAIN_SOURCES = (("xsum", 100), ("humaneval", 100), ("mtbench", 40))  # (dataset, offset): away from bench slices
-
-
-def self_distill(model, path: Path, *, prompts: int, new_tokens: int, progress: bool = True) -> list[dict]:
-    """Texts = prompt + the model's own greedy continuation; cached in ``path`` (JSONL), extended if short."""
-    from ..api import generate
-    from ..datasets import load_prompts
-
-    rows: list[dict] = []
-    if path.is_file():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("new_tokens") == new_tokens]
-    if len(rows) >= prompts:
-        return rows[:prompts]
-    pools = []
-    for name, offset in TRAIN_SOURCES:
-        try:
-            pools.append(load_prompts(name, limit=prompts, chat=model.has_chat_template, offset=offset))
-        except InvalidInputError:
-            continue  # a dataset with fewer prompts: the others fill in
-    done = {r["id"] for r in rows}
-    candidates = [pool[i] for i in range(prompts) for pool in pools if i < len(pool)]  # round robin over sources
-    bar = _bar(prompts - len(rows), "self-distillation texts", progress)
-    for it in candidates:
-        if len(rows) >= prompts:
-            break
-        if it.id in done:
-            continue
-        ids = model.encode(it.prompt)
-        if len(ids) + new_tokens + 8 > model.max_context:
-            continue  # too long for the model: the next candidate
-        out = generate(model, it.prompt, "vanilla", max_new_tokens=new_tokens)
-        rows.append({"id": it.id, "task": it.task, "prompt_ids": ids, "ids": list(out.token_ids),
-                     "new_tokens": new_tokens})  # fmt: skip
-        with path.open("a") as f:
-            f.write(json.dumps(rows[-1]) + "\n")
-        bar.update(1)
-    bar.close()
-    if not rows:
-        raise InvalidInputError("no training text could be made (every prompt too long for the model?)")
-    return rows
-
-
-def _bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True)
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    losses: list[float]
-    seconds: float
-    out_dir: Path
-
-
-def train_s3d(
-    model,
-    out_dir: str | Path,
-    *,
-    steps: int = 300,
-    config: S3DConfig | None = None,
-    lr: float = 2e-3,
-    blocks: int = 8,
-    prompts: int = 24,
-    new_tokens: int = 64,
-    seed: int = 0,
-    checkpoint_every: int = 50,
-    progress: bool = True,
-) -> TrainResult:
-    """Train (or resume training) an S3D adapter into ``out_dir``; see the module docstring."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if steps < 1:
-        raise InvalidInputError(f"steps must be >= 1, got {steps}")
-    if blocks < 1:
-        raise InvalidInputError(f"blocks must be >= 1, got {blocks}")
-    ckpt_path = out / "checkpoint.pt"
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False) if ckpt_path.is_file() else None
-    if ckpt is not None:
-        config = S3DConfig(**ckpt["config"])
-    config = config or S3DConfig.default(model.num_layers)
-    config.check(model.num_layers)
-    g = config.gamma
-
-    texts = self_distill(model, out / "data.jsonl", prompts=prompts, new_tokens=new_tokens, progress=progress)
-    texts = [t for t in texts if len(t["ids"]) > g]
-    if not texts:
-        raise InvalidInputError("the self-distilled texts are too short to train on")
-
-    adapter = S3DAdapter(model, config, seed=seed).to(model.engine.device)
-    for p in model.hf.parameters():
-        p.requires_grad_(False)
-    opt = torch.optim.AdamW(adapter.parameters(), lr=lr, weight_decay=0.0)
-    losses: list[float] = []
-    start_step, seconds = 0, 0.0
-    if ckpt is not None:
-        if ckpt.get("model") != model_key(model):
-            raise InvalidInputError(f"checkpoint in '{out}' belongs to {ckpt.get('model')}, not {model_key(model)}")
-        adapter.load_state_dict(ckpt["adapter"])
-        opt.load_state_dict(ckpt["optimizer"])
-        losses, start_step, seconds = list(ckpt["losses"]), int(ckpt["step"]), float(ckpt["seconds"])
-    rng = random.Random(seed * 1000003 + start_step)
-    skip = config.skip_set()
-    engine = model.engine
-    prefixes: dict[int, tuple[Any, int]] = {}
-
-    def prefix(idx: int):
-        if idx not in prefixes:  # the full model's keys and values of the whole text, computed once
-            t = texts[idx]
-            ids = t["prompt_ids"] + t["ids"]
-            cache = engine.new_cache(len(ids))
-            engine.forward(cache, torch.tensor(ids, device=engine.device), 0, last_only=True)
-            cache.commit(len(ids))
-            prefixes[idx] = (cache, len(t["prompt_ids"]))
-        return prefixes[idx]
-
-    def save(step: int) -> None:
-        adapter.meta = {"steps": step, "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
-                        "train_seconds": round(seconds, 1), "texts": len(texts), "new_tokens": new_tokens,
-                        "data": "self-distilled: the model's greedy continuations of "
-                                + ", ".join(f"{n} (from prompt {o})" for n, o in TRAIN_SOURCES),
-                        "lr": lr, "blocks": blocks, "seed": seed}  # fmt: skip
-        adapter.save(out)
-        torch.save({"config": asdict(config), "model": model_key(model), "adapter": adapter.state_dict(),
-                    "optimizer": opt.state_dict(), "losses": losses, "step": step, "seconds": seconds},
-                   ckpt_path)  # fmt: skip
-        plot_losses(losses, out / "loss.png", title=f"S3D training, {model.name}, skip {config.skip_from}-"
-                    f"{config.skip_to - 1}, gamma {g}")  # fmt: skip
-
-    bar = _bar(steps - start_step, "train-s3d", progress)
-    step = start_step
-    for step in range(start_step + 1, steps + 1):
-        t0 = time.perf_counter()
-        idx = rng.randrange(len(texts))
-        cache, p_len = prefix(idx)
-        full = texts[idx]["prompt_ids"] + texts[idx]["ids"]
-        # roots: the last prompt token or a generated one, with g generated tokens after it
-        lo, hi = p_len - 1, len(full) - g - 1
-        roots = sorted(rng.sample(range(lo, hi + 1), min(blocks, hi - lo + 1)))
-        loss = _block_loss(engine, model, adapter, cache, full, roots, g, skip)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        seconds += time.perf_counter() - t0
-        bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % checkpoint_every == 0 or step == steps:
-            save(step)
-    bar.close()
-    if step == start_step:  # nothing left to do: still write the files
-        save(step)
-    return TrainResult(step, losses, seconds, out)
-
-
-def _block_loss(engine, model, adapter: S3DAdapter, cache, full: list[int], roots: list[int], g: int, skip):
-    """Eq. 9: mean cross-entropy of every block's g predictions against the text's next g tokens."""
-    device = engine.device
-    n = len(full)
-    T = len(roots) * g
-    root_ids = torch.tensor([full[r] for r in roots], device=device)
-    with kernels.draft_adapters(adapter.draft_adapters()):
-        embeds = adapter.inputs(model, root_ids, g)  # [T, H]
-        positions = torch.tensor([r + j for r in roots for j in range(g)], device=device)
-        attend = torch.zeros(T, n + T, dtype=torch.bool, device=device)
-        for b, r in enumerate(roots):
-            rows = slice(b * g, (b + 1) * g)
-            attend[rows, :r] = True  # the full model's entries before the root
-            attend[rows, n + b * g : n + (b + 1) * g] = torch.ones(g, g, dtype=torch.bool, device=device).tril()
-        logits = engine.forward_train(cache, n, embeds, positions, attend, skip)  # [T, V]
-    targets = torch.tensor([full[r + 1 + j] for r in roots for j in range(g)], device=device)
-    return F.cross_entropy(logits.float(), targets)
-
-
-def plot_losses(losses: list[float], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, lw=0.8, alpha=0.5, label="step")
-    w = 20
-    if len(losses) >= w:
-        smooth = [sum(losses[i - w : i]) / w for i in range(w, len(losses) + 1)]
-        ax.plot(range(w, len(losses) + 1), smooth, lw=2, label=f"mean of {w}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (eq. 9)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
+from ..io import atomic_write_text, read_json
 from ..core.skipset import SkipSet
 
 STATE_VERSION = 1
@@ -199,18 +200,14 @@ class SwiftPolicy:
         if path is None or self.state is None or self._model_key is None:
             return
         data: dict[str, Any] = {}
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                data = {}
+        if path.is_file():  # a corrupt or foreign file is reported, never overwritten: it may be someone's work
+            data = read_json(path, what="SWIFT state")
+            if not isinstance(data, dict):
+                raise InvalidInputError(f"SWIFT state {path} is not a SWIFT state file; delete it or pass another")
         entry = asdict(self.state)
         entry["version"] = STATE_VERSION
         data[self._model_key] = entry
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data) + "\n")
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(data) + "\n")
 
     def finish(self) -> None:
         """After a prompt: save the state when a path was given."""

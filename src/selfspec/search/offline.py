@@ -39,6 +39,7 @@ from ..datasets import PromptItem
 from ..decoding.loop import Decoder, prefill
 from ..model.engine import SublayerCosine
 from ..errors import InvalidInputError
+from ..io import atomic_write_text
 from ..methods import build_policies
 from ..model.models import Model
 from ..policies.skip import admg
@@ -89,9 +90,7 @@ class SearchState:
         return d
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)  # never leave a half-written state behind
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")  # never a half-written state
 
     @classmethod
     def load(cls, path: Path) -> SearchState:

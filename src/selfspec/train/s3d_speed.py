@@ -18,7 +18,7 @@
 
 Measure, fit and report (each adapter directory from ``selfspec train-s3d``)::
 
-    python -m selfspec.s3d_model adapters/s3d-a adapters/s3d-b adapters/s3d-c --dataset xsum --limit 5
+    python -m selfspec.train.s3d_speed adapters/s3d-a adapters/s3d-b adapters/s3d-c --dataset xsum --limit 5
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..datasets import load_prompts
     from ..model.models import load
 
-    p = argparse.ArgumentParser(prog="python -m selfspec.s3d_model", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m selfspec.train.s3d_speed", description=__doc__.split("\n")[0])
     p.add_argument("adapters", nargs="+", help="adapter directories (different skip depths)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dataset", default="xsum")
