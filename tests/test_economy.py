@@ -134,6 +134,9 @@ def test_low_precision_drafts_are_scoped_and_close():
     with torch.no_grad():
         lin.weight.mul_(2.0)  # an in-place change must refresh the low-precision copy
     with kernels.draft_precision(torch.bfloat16):
-        torch.testing.assert_close(lin(x), lin(x).detach(), rtol=0, atol=0)
         doubled = lin(x)
+    # doubling is exact in bf16, so a refreshed copy gives exactly twice the old low-precision output;
+    # a stale copy would give the old output itself
+    torch.testing.assert_close(doubled, 2 * low, rtol=1e-3, atol=1e-3)
+    assert (doubled - low).abs().max() > 0.1
     torch.testing.assert_close(doubled, lin(x), rtol=0.05, atol=0.1)

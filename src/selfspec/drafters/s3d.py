@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import kernels
-from .layerskip import Drafter, DraftOutcome, FixedDraftLength
+from ..decoding.protocols import DraftOutcome
+from .layerskip import Drafter, FixedDraftLength
 from ..errors import InvalidInputError
 from ..io import atomic_write, atomic_write_text, check_version, load_tensors, read_json
 from ..core.sampling import GREEDY, SamplingParams, sample, warp
@@ -120,7 +121,7 @@ class S3DAdapter(nn.Module):
         return self.config.lora_alpha / self.config.rank
 
     def draft_adapters(self) -> dict:
-        """{linear module: (A, B, scale)} for :func:`selfspec.kernels.draft_adapters`."""
+        """{linear module: (A, B, scale)} for :func:`selfspec.core.kernels.draft_adapters`."""
         s = self.scale
         return {mod: (self.lora_a[n], self.lora_b[n], s) for n, mod in self._modules_by_name.items()}
 
@@ -191,6 +192,8 @@ class S3DDrafter(Drafter):
         ids = torch.full((g,), root, dtype=torch.long, device=model.engine.device)  # (only their count matters)
         logits = model.engine.forward(cache, ids, start, skip=skip, input_embeds=embeds, adapters=self._mapping,
                                       precision=self.torch_dtype(model))  # fmt: skip
+        if not bool(torch.isfinite(logits).all()):
+            return None  # a broken draft pass: this round decodes plainly
         tokens, qs, probs = [root], [], []
         for j in range(g):
             if sampling.greedy:
