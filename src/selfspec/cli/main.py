@@ -86,6 +86,7 @@ def _method_options(args: argparse.Namespace) -> dict:
     return options
 
 
+# Long (~75 lines): argparse declarations, one line per option; nothing here branches.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="selfspec", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -137,6 +137,7 @@ def _measure() -> None:  # pragma: no cover - a manual tool
     import statistics
     import time
 
+    # TODO(arch): an upward import (core -> model) that closes a cycle; move this manual tool to bench/.
     from ..model.models import load
 
     model = load()

@@ -223,6 +223,8 @@ class CostAwareTreeWidths(TreePolicy):
 # -- the draft loop ----------------------------------------------------------------------------
 
 
+# Long (~70 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
+# probability); kept in one function so that the sampling-correctness argument can be read in one place.
 @torch.inference_mode()
 def draft_round(
     engine,

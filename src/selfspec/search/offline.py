@@ -235,6 +235,8 @@ class Calibration:
 ProgressFn = Callable[[Observation, SearchState], None]
 
 
+# TODO(issue 16): ~140 lines, the longest function left: resume, calibration, vanilla baseline, the
+# Bayesian-optimisation loop and progress output in one.  Split into a SearchRun class like train/s3d.py's _Run.
 def search_skip_set(
     model: Model,
     prompts: Sequence[PromptItem],
