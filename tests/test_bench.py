@@ -8,12 +8,12 @@ import pytest
 from conftest import tiny_model
 
 from selfspec import InvalidInputError
-from selfspec.cli import bench as bench_cli
 from selfspec.bench import parse_methods, parse_spec, run_benchmark, summarize, write_outputs
 from selfspec.bench import runner as bench_runner
 from selfspec.bench.summary import expected_speedup
-from selfspec.datasets import PromptItem
+from selfspec.cli import bench as bench_cli
 from selfspec.core.skipset import SkipSet
+from selfspec.datasets import PromptItem
 
 PROMPTS = [
     PromptItem("a", "prose", "The quick brown fox jumps over the lazy dog and runs far away."),

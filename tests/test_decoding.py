@@ -9,7 +9,7 @@ import torch
 
 import selfspec
 from selfspec.decoding.loop import Decoder
-from selfspec.decoding.protocols import DraftOutcome, Drafter
+from selfspec.decoding.protocols import Drafter, DraftOutcome
 from selfspec.decoding.trees import DraftTree
 from selfspec.errors import SelfspecError
 

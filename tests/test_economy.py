@@ -8,10 +8,10 @@ from conftest import tiny_model
 from torch import nn
 
 from selfspec.core import kernels
-from selfspec.cost.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
-from selfspec.drafters.layerskip import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
-from selfspec.cost.economy import Calibration, Economy
 from selfspec.core.skipset import SkipSet
+from selfspec.cost.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
+from selfspec.cost.economy import Calibration, Economy
+from selfspec.drafters.layerskip import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
 
 
 def _profile(forward=None, drafts=None) -> CostProfile:

@@ -10,9 +10,9 @@ from conftest import tiny_model
 
 import selfspec
 from selfspec.decoding.loop import Decoder
+from selfspec.drafters.s3d import S3DAdapter, S3DConfig
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
-from selfspec.drafters.s3d import S3DAdapter, S3DConfig
 from selfspec.train.s3d import train_s3d
 from selfspec.train.s3d_speed import alpha_of_beta, conditional_acceptance, fit_u, improvement_factor, optimum, tau
 

@@ -31,14 +31,14 @@ from conftest import tiny_model
 from scipy import stats
 
 import selfspec
+from selfspec.core.sampling import SamplingParams, sample_without_replacement, warp
 from selfspec.decoding import loop as decoding
-from selfspec.drafters import layerskip as drafting
 from selfspec.decoding.acceptance import accept_sampling
 from selfspec.decoding.loop import Decoder, prefill
+from selfspec.decoding.trees import DraftTree
+from selfspec.drafters import layerskip as drafting
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
-from selfspec.core.sampling import SamplingParams, sample_without_replacement, warp
-from selfspec.decoding.trees import DraftTree
 
 CORRECT_P = 1e-3  # a correct method's goodness-of-fit p-value stays above this
 BROKEN_P = 1e-6  # a broken variant's falls below this

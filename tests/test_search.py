@@ -9,8 +9,8 @@ from conftest import tiny_model
 
 import selfspec
 from selfspec import InvalidInputError, SkipSet
-from selfspec.search import offline as search_mod
 from selfspec.datasets import PromptItem
+from selfspec.search import offline as search_mod
 from selfspec.search.offline import param_names, search_skip_set, seed_skip_sets, to_params, to_skip_set
 
 PROMPTS = [

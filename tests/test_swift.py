@@ -6,14 +6,13 @@ import dataclasses
 import json
 
 import pytest
-import torch
 from conftest import tiny_model
 
 import selfspec
+from selfspec.core.skipset import SkipSet
 from selfspec.cost.costs import CostProfile, DraftCosts
 from selfspec.decoding.loop import RoundContext, prefill
 from selfspec.errors import InvalidInputError
-from selfspec.core.skipset import SkipSet
 from selfspec.policies.swift import SwiftConfig, SwiftPolicy, predicted_speedup, uniform_skip_set
 
 STREAM = [

@@ -20,10 +20,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .core.sampling import SamplingParams
 from .decoding.loop import Decoder, GenerationStats
 from .methods import build_policies
 from .model.models import Model, load
-from .core.sampling import SamplingParams
 
 Prompt = str | Sequence[dict]
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .core.skipset import SkipSet
 from .drafters.layerskip import (
     DRAFT_DTYPES,
     AdaptiveDraftExit,
@@ -23,7 +24,6 @@ from .drafters.layerskip import (
 )
 from .errors import InvalidInputError
 from .policies.skip import ASD_VARIANTS, AsdPolicy, StaticPolicy
-from .core.skipset import SkipSet
 from .policies.swift import SwiftConfig, SwiftPolicy
 
 DRAFT_OPTIONS = {

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
+from ..core.sampling import GREEDY, SamplingParams
 from ..decoding.loop import GenerationStats
 from ..errors import InvalidInputError
 from ..model.models import Model
-from ..core.sampling import GREEDY, SamplingParams
 from .spec import BenchMethod
 
 

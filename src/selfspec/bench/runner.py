@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from ..api import Session
+from ..core.sampling import GREEDY, SamplingParams
 from ..datasets import PromptItem
 from ..decoding.loop import check_lengths, prefill_cosine
 from ..errors import InvalidInputError
 from ..model.models import Model
-from ..core.sampling import GREEDY, SamplingParams
 from .peers import check_peer, run_peer
 from .spec import BenchMethod, baseline_of, parse_methods, with_baseline
 from .system import PeakMemory

@@ -138,12 +138,12 @@ def _load_model(args: argparse.Namespace):
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..datasets import load_prompts
     from ..bench.report import dumps, print_summary, warn_lossy, write_outputs
     from ..bench.runner import run_benchmark
     from ..bench.spec import parse_methods
     from ..bench.summary import summarize
     from ..bench.system import machine_info
+    from ..datasets import load_prompts
 
     methods = parse_methods(args.methods)  # validated before the model loads
     names = _check_args(args)

@@ -259,11 +259,11 @@ def _print_stats(stats, base, identical) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
+    from ..core.skipset import SkipSet
     from ..datasets import load_prompts
     from ..methods import build_policies
     from ..model.models import load
     from ..search.offline import search_skip_set
-    from ..core.skipset import SkipSet
 
     for name, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--iterations", args.iterations, 1), ("--init-points", args.init_points, 0),
@@ -296,8 +296,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_train_s3d(args: argparse.Namespace) -> int:
-    from ..model.models import load
     from ..drafters.s3d import S3DConfig
+    from ..model.models import load
     from ..train.s3d import train_s3d
 
     for name, value, low in (("--steps", args.steps, 1), ("--gamma", args.gamma, 1), ("--rank", args.rank, 1),

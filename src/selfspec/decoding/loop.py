@@ -37,7 +37,7 @@ from ..errors import InvalidInputError, SelfspecError
 from ..model.engine import SublayerCosine
 from ..model.models import Model
 from .acceptance import accept_greedy, accept_sampling
-from .protocols import DraftOutcome, Drafter, RoundContext, SkipPolicy
+from .protocols import Drafter, DraftOutcome, RoundContext, SkipPolicy
 from .stats import GenerationStats
 from .trees import DraftTree
 

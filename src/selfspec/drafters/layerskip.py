@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cost.economy import Economy
-from ..errors import InvalidInputError
 from ..core.sampling import GREEDY, SamplingParams, sample_without_replacement, warp
 from ..core.skipset import SkipSet
+from ..cost.economy import Economy
 from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree
+from ..errors import InvalidInputError
 
 # -- draft-length policies ---------------------------------------------------------------------
 

@@ -24,24 +24,20 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..core import kernels
-from ..decoding.protocols import DraftOutcome
-from .layerskip import Drafter, FixedDraftLength
-from ..errors import InvalidInputError
-from ..io import atomic_write, atomic_write_text, check_version, load_tensors, read_json
 from ..core.sampling import GREEDY, SamplingParams, sample, warp
 from ..core.skipset import SkipSet
+from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree
+from ..errors import InvalidInputError
+from ..io import atomic_write, atomic_write_text, check_version, load_tensors, read_json
+from .layerskip import Drafter, FixedDraftLength
 
 ADAPTER_VERSION = 1
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")

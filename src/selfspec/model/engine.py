@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core import kernels
 from ..arch.adapters import LlamaAdapter
+from ..core import kernels
 from ..core.cache import KVCache
 from ..core.skipset import NO_SKIP, SkipSet
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from ..arch.adapters import LlamaAdapter, adapter_for
-from .engine import Engine
 from ..errors import InvalidInputError, ModelNotFoundError, SelfspecError
+from .engine import Engine
 
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

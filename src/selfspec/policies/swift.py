@@ -54,9 +54,9 @@ from typing import Any
 
 import torch
 
+from ..core.skipset import SkipSet
 from ..errors import InvalidInputError
 from ..io import atomic_write_text, read_json
-from ..core.skipset import SkipSet
 
 STATE_VERSION = 1
 

@@ -35,15 +35,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ..core.skipset import SkipSet
 from ..datasets import PromptItem
 from ..decoding.loop import Decoder, prefill
-from ..model.engine import SublayerCosine
 from ..errors import InvalidInputError
 from ..io import atomic_write_text
 from ..methods import build_policies
+from ..model.engine import SublayerCosine
 from ..model.models import Model
 from ..policies.skip import admg
-from ..core.skipset import SkipSet
 
 STATE_VERSION = 1
 
