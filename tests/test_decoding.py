@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import selfspec
 from selfspec.decoding.loop import Decoder
@@ -57,7 +58,11 @@ def test_a_drafter_needs_no_skip_policy_and_sees_the_history(tiny_llama):
     assert dec.stats.drafted > 0 and dec.stats.skip_set is None
 
 
-def test_non_finite_draft_logits_fall_back_to_plain_decoding(tiny_llama, monkeypatch):
+def test_non_finite_draft_logits_fall_back_to_plain_decoding(monkeypatch):
+    # a model of its own, under its own name: a cost profile measured with broken drafts must not be
+    # cached under the shared tiny models' name
+    tiny_llama = tiny_model("llama")
+    tiny_llama.name = "tiny-llama-broken-drafts"
     base = selfspec.generate(tiny_llama, PROMPT, "vanilla", max_new_tokens=24)
     engine = tiny_llama.engine
     real = engine.forward
@@ -70,7 +75,9 @@ def test_non_finite_draft_logits_fall_back_to_plain_decoding(tiny_llama, monkeyp
         return logits
 
     monkeypatch.setattr(engine, "forward", broken_draft)
-    for method, opts in (("swift", {"schedule": "paper", "draft_dtype": "same"}), ("asd", {})):
+    # model-precision drafts and fixed or confidence lengths: no cost profile is measured (with broken drafts)
+    static = {"skip_set": {"attention": [1, 2], "mlp": [2]}, "draft_length": 3, "draft_dtype": "same"}
+    for method, opts in (("asd", {"draft_dtype": "same"}), ("static", static)):
         out = selfspec.generate(tiny_llama, PROMPT, method, max_new_tokens=24, **opts)
         assert out.token_ids == base.token_ids, method
         assert out.stats.drafted == 0, method  # every round fell back
