@@ -8,7 +8,10 @@ GGUF files (about a minute for SmolLM2, two for Gemma 3), later ones hit the cac
 
 from __future__ import annotations
 
+import os
+import shutil
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +38,30 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 VOCAB = len(SPECIALS) + len(CHARS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache(tmp_path_factory):
+    """Point ``SELFSPEC_CACHE`` at a session temp dir, so tests never write the user's cache.
+
+    The converted real-model checkpoints (``models/``, ``gguf/``) are linked from the
+    user's cache, so that they are converted once ever rather than once per session;
+    cost profiles are copied (tests may rewrite them), so that they are not re-measured.
+    """
+    user = Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec"))
+    cache = tmp_path_factory.mktemp("selfspec-cache")
+    for name in ("models", "gguf"):
+        (user / name).mkdir(parents=True, exist_ok=True)
+        (cache / name).symlink_to(user / name, target_is_directory=True)
+    if (user / "profiles").is_dir():
+        shutil.copytree(user / "profiles", cache / "profiles")
+    old = os.environ.get("SELFSPEC_CACHE")
+    os.environ["SELFSPEC_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        del os.environ["SELFSPEC_CACHE"]
+    else:
+        os.environ["SELFSPEC_CACHE"] = old
 
 
 def tiny_config(arch: str, **overrides):

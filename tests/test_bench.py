@@ -8,12 +8,12 @@ import pytest
 from conftest import tiny_model
 
 from selfspec import InvalidInputError
-from selfspec.bench import cli as bench_cli
 from selfspec.bench import parse_methods, parse_spec, run_benchmark, summarize, write_outputs
 from selfspec.bench import runner as bench_runner
 from selfspec.bench.summary import expected_speedup
+from selfspec.cli import bench as bench_cli
+from selfspec.core.skipset import SkipSet
 from selfspec.datasets import PromptItem
-from selfspec.skipset import SkipSet
 
 PROMPTS = [
     PromptItem("a", "prose", "The quick brown fox jumps over the lazy dog and runs far away."),
@@ -196,7 +196,7 @@ def test_a_lossy_method_is_flagged(model, monkeypatch, tmp_path):
 
 def test_sampling_runs_are_seeded_and_not_compared_with_vanilla(model):
     """Under sampling outputs differ draw by draw: no lossless verdict, but a seeded run repeats exactly."""
-    from selfspec.sampling import SamplingParams
+    from selfspec.core.sampling import SamplingParams
 
     sampling = SamplingParams(0.9, top_k=20, seed=3)
     runs = [run_benchmark(model, PROMPTS[:2], "asd,hf", max_new_tokens=12, warmup=0, sampling=sampling)

@@ -7,7 +7,7 @@ from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from selfspec.skipset import SkipSet
+from selfspec.core.skipset import SkipSet
 
 MODEL = tiny_model("gemma3_text", seed=1)  # sliding windows + two RoPE bases: the hardest case
 ENGINE = MODEL.engine

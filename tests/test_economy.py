@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_model
 
-from selfspec.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
-from selfspec.drafting import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
-from selfspec.economy import Calibration, Economy
-from selfspec.skipset import SkipSet
+from selfspec.core.skipset import SkipSet
+from selfspec.cost.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
+from selfspec.cost.economy import Calibration, Economy
+from selfspec.drafters.layerskip import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
 
 
 def _profile(forward=None, drafts=None) -> CostProfile:

@@ -11,8 +11,8 @@ from conftest import char_tokenizer, tiny_config
 from torch import nn
 
 import selfspec
-from selfspec import kernel_plan, kernels
-from selfspec.kernels import KERNELS, KernelLinear, KernelPlan
+from selfspec.core import kernel_plan, kernels
+from selfspec.core.kernels import KERNELS, KernelLinear, KernelPlan
 
 CPU = torch.device("cpu")
 
@@ -105,7 +105,7 @@ def test_bad_or_stale_kernel_cache_is_reported_and_rebuilt(tiny_llama, capsys):
     linears, device = tiny_llama.adapter.linears, tiny_llama.adapter.device
     key = kernel_plan.plan_key(linears, device)
     path = kernel_plan._cache_dir() / f"{key}.json"
-    good = kernel_plan.choose_plan(linears, device, force=True, quiet=True)
+    good = tiny_llama.choose_kernels(force=True)
     assert path.is_file()
     bad_files = {
         "garbage": "{not json",
@@ -116,7 +116,7 @@ def test_bad_or_stale_kernel_cache_is_reported_and_rebuilt(tiny_llama, capsys):
     for what, text in bad_files.items():
         path.write_text(text)
         kernel_plan._MEMORY.clear()
-        report = kernel_plan.choose_plan(linears, device, quiet=True)
+        report = tiny_llama.choose_kernels()
         err = capsys.readouterr().err
         assert "unusable" in err and str(path) in err, what
         assert report.key == key and report.choices, what

@@ -95,7 +95,7 @@ def test_session_carries_draft_threshold_across_prompts(tiny_llama):
 
 def test_one_prefill_serves_many_decodings(tiny):
     """Decodings that reuse a prompt's prefill (as the skip-set search does) give the tokens of fresh ones."""
-    from selfspec.decoding import Decoder, prefill
+    from selfspec.decoding.loop import Decoder, prefill
     from selfspec.methods import build_policies
 
     ids = tiny.encode(PROMPT)

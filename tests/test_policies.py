@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from selfspec.drafting import AdaptiveDraftExit, FixedDraftLength
-from selfspec.engine import SublayerCosine
+from selfspec.core.skipset import SkipSet
+from selfspec.drafters.layerskip import AdaptiveDraftExit, FixedDraftLength
 from selfspec.errors import InvalidInputError
-from selfspec.policies import AsdPolicy, admg
-from selfspec.skipset import SkipSet
+from selfspec.model.engine import SublayerCosine
+from selfspec.policies.skip import AsdPolicy, admg
 
 # 8 layers; paper layers l = 1..8 map to indices 0..7
 COS = SublayerCosine(

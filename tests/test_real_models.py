@@ -99,7 +99,7 @@ def test_smollm2_sampling_is_exact(smollm2):
     three tokens (top-k 3: 27 outcomes, enumerated with transformers), by chi-square over seeded decodings."""
     from test_sampling import CORRECT_P, chi_square_p, exact_distribution, sample_outputs
 
-    from selfspec.sampling import SamplingParams
+    from selfspec.core.sampling import SamplingParams
 
     prompt = smollm2.encode([{"role": "user", "content": "Name a colour and an animal."}])
     params = SamplingParams(1.0, top_k=3)
@@ -113,7 +113,7 @@ def test_smollm2_sampling_is_exact(smollm2):
 
 def test_smollm2_s3d_identical(smollm2, tmp_path):
     """An S3D adapter trained for a few steps on the default model: output is still exactly vanilla's."""
-    from selfspec.s3d import train_s3d
+    from selfspec.train.s3d import train_s3d
 
     train_s3d(smollm2, tmp_path, steps=5, prompts=2, new_tokens=16, progress=False)
     for item in _prompts(chat=True)[:2]:

@@ -9,11 +9,12 @@ import torch
 from conftest import tiny_model
 
 import selfspec
-from selfspec.decoding import Decoder
+from selfspec.decoding.loop import Decoder
+from selfspec.drafters.s3d import S3DAdapter, S3DConfig
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
-from selfspec.s3d import S3DAdapter, S3DConfig, train_s3d
-from selfspec.s3d_model import alpha_of_beta, conditional_acceptance, fit_u, improvement_factor, optimum, tau
+from selfspec.train.s3d import train_s3d
+from selfspec.train.s3d_speed import alpha_of_beta, conditional_acceptance, fit_u, improvement_factor, optimum, tau
 
 PROMPT = "The quick brown fox jumps over the lazy dog; sliding windows must hold over long prompts too."
 FAST = {"prompts": 3, "new_tokens": 24, "progress": False}

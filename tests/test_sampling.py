@@ -31,13 +31,14 @@ from conftest import tiny_model
 from scipy import stats
 
 import selfspec
-from selfspec import decoding, drafting
-from selfspec.acceptance import accept_sampling
-from selfspec.decoding import Decoder, prefill
+from selfspec.core.sampling import SamplingParams, sample_without_replacement, warp
+from selfspec.decoding import loop as decoding
+from selfspec.decoding.acceptance import accept_sampling
+from selfspec.decoding.loop import Decoder, prefill
+from selfspec.decoding.trees import DraftTree
+from selfspec.drafters import layerskip as drafting
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
-from selfspec.sampling import SamplingParams, sample_without_replacement, warp
-from selfspec.trees import DraftTree
 
 CORRECT_P = 1e-3  # a correct method's goodness-of-fit p-value stays above this
 BROKEN_P = 1e-6  # a broken variant's falls below this
@@ -288,7 +289,7 @@ def test_speculative_sampling_is_exact(small_vocab, name, setting):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_s3d_sampling_is_exact(small_vocab, setting):
     """S3D drafts every position from mask tokens in one pass; each position's q is still exact."""
-    from selfspec.s3d import S3DAdapter, S3DConfig
+    from selfspec.drafters.s3d import S3DAdapter, S3DConfig
 
     adapter = S3DAdapter(small_vocab, S3DConfig(2, 4, gamma=3, rank=4))
     with torch.no_grad():  # an untrained but non-trivial draft

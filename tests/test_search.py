@@ -9,9 +9,9 @@ from conftest import tiny_model
 
 import selfspec
 from selfspec import InvalidInputError, SkipSet
-from selfspec import search as search_mod
 from selfspec.datasets import PromptItem
-from selfspec.search import param_names, search_skip_set, seed_skip_sets, to_params, to_skip_set
+from selfspec.search import offline as search_mod
+from selfspec.search.offline import param_names, search_skip_set, seed_skip_sets, to_params, to_skip_set
 
 PROMPTS = [
     PromptItem("a", "prose", "The quick brown fox jumps over the lazy dog and runs far away."),
@@ -49,7 +49,7 @@ def test_seeds_never_skip_first_or_last_layer():
 
 
 def test_cosine_seeds_skip_the_sublayers_that_change_the_least():
-    from selfspec.engine import SublayerCosine
+    from selfspec.model.engine import SublayerCosine
 
     attention = (0.99, 0.5, 0.97, 0.98, 0.6, 0.7, 0.96, 0.999)  # layers 0 and 7 are never skipped
     mlp = (0.1, 0.2, 0.3, 0.995, 0.4, 0.5, 0.6, 0.7)
@@ -144,12 +144,12 @@ def test_bad_search_arguments(model, tmp_path, kw, message):
 
 
 def test_cli_search(model, tmp_path, monkeypatch, capsys):
-    import selfspec.models
+    import selfspec.model.models
     from selfspec.cli import main
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": p.prompt}) + "\n" for p in PROMPTS))
-    monkeypatch.setattr(selfspec.models, "load", lambda *a, **k: model)
+    monkeypatch.setattr(selfspec.model.models, "load", lambda *a, **k: model)
     out = tmp_path / "cli.json"
     argv = ["search", "--dataset", str(data), "--limit", "2", "--max-new-tokens", "6", "--iterations", "4",
             "--init-points", "1", "--out", str(out), "--no-progress"]  # fmt: skip

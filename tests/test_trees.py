@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from selfspec.acceptance import accept_greedy
-from selfspec.trees import DraftTree
+from selfspec.decoding.acceptance import accept_greedy
+from selfspec.decoding.trees import DraftTree
 
 #        0 (root, token 10)
 #       / \\

@@ -9,11 +9,11 @@ Quick start::
 """
 
 from .api import GenerationResult, Session, generate, stream
-from .decoding import GenerationStats
+from .core.skipset import SkipSet
+from .decoding.loop import GenerationStats
 from .errors import InvalidInputError, ModelNotFoundError, SelfspecError, UnsupportedModelError
 from .methods import METHODS
-from .models import DEFAULT_MODEL, Model, list_models, load, model_from_hf
-from .skipset import SkipSet
+from .model.models import DEFAULT_MODEL, Model, list_models, load, model_from_hf
 
 __version__ = "0.1.0"
 

@@ -20,11 +20,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .costs import prepare_costs
-from .decoding import Decoder, GenerationStats
+from .core.sampling import SamplingParams
+from .cost.costs import prepare_costs
+from .decoding.loop import Decoder, GenerationStats
 from .methods import build_policies
-from .models import Model, load
-from .sampling import SamplingParams
+from .model.models import Model, load
 
 Prompt = str | Sequence[dict]
 
@@ -37,7 +37,12 @@ class GenerationResult:
 
 
 class Session:
-    """One method on one model, with its state carried across prompts."""
+    """One method on one model, with its state carried across prompts.
+
+    Not thread-safe: the policies, the drafter's economy and the model's
+    draft-precision copies change during a generation.  Use one session per
+    thread (and one model per thread where generations run at the same time).
+    """
 
     def __init__(self, model: Model | str, method: str = "asd", **options: Any) -> None:
         self.model = load(model) if isinstance(model, str) else model
@@ -93,14 +98,18 @@ class Session:
         decoder = self._decoder(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
         ids: list[int] = []
         shown = ""
-        for new in decoder:
-            ids.extend(new)
-            text = self.model.decode(ids)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
-                continue
-            if len(text) > len(shown) and text.startswith(shown):
-                yield text[len(shown) :]
-            shown = text
+        rounds = iter(decoder)
+        try:
+            for new in rounds:
+                ids.extend(new)
+                text = self.model.decode(ids)
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
+                    continue
+                if len(text) > len(shown) and text.startswith(shown):
+                    yield text[len(shown) :]
+                shown = text
+        finally:  # a consumer that stops early closes the decoder now, so the method saves its state
+            rounds.close()
         final = self.model.decode(ids)
         self.last_result = GenerationResult(final, tuple(ids), decoder.stats)
         if len(final) > len(shown) and final.startswith(shown):

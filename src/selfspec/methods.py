@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .drafting import (
+from .core.skipset import SkipSet
+from .drafters.layerskip import (
     DRAFT_DTYPES,
     AdaptiveDraftExit,
     ConfidenceExit,
@@ -22,9 +23,8 @@ from .drafting import (
     PaperTreeWidths,
 )
 from .errors import InvalidInputError
-from .policies import ASD_VARIANTS, AsdPolicy, StaticPolicy
-from .skipset import SkipSet
-from .swift import SwiftConfig, SwiftPolicy
+from .policies.skip import ASD_VARIANTS, AsdPolicy, StaticPolicy
+from .policies.swift import SwiftConfig, SwiftPolicy
 
 DRAFT_OPTIONS = {
     "max_draft": "most tokens drafted per round (default 12)",
@@ -151,13 +151,13 @@ METHODS["swift"] = MethodSpec(
 )
 
 def _s3d_skip(opts: dict[str, Any]):
-    from .s3d import S3DSkipPolicy
+    from .drafters.s3d import S3DSkipPolicy
 
     return S3DSkipPolicy()
 
 
 def _s3d_drafter(opts: dict[str, Any]) -> Drafter:
-    from .s3d import s3d_drafter
+    from .drafters.s3d import s3d_drafter
 
     return s3d_drafter(opts)
 

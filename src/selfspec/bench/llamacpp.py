@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ..decoding import GenerationStats
+from ..core.sampling import SamplingParams
+from ..decoding.loop import GenerationStats
 from ..errors import InvalidInputError
-from ..sampling import SamplingParams
 
 ENV = "SELFSPEC_LLAMA_CPP"
 _SERVERS: dict[tuple[str, str, int], _Server] = {}
@@ -58,7 +58,7 @@ def gguf_file(model, option: str | None) -> Path:
         if not path.is_file():
             raise InvalidInputError(f"llamacpp: gguf file {path} does not exist")
         return path
-    from ..models import BUILTINS, _builtin_gguf
+    from ..model.models import BUILTINS, _builtin_gguf
 
     if model.name in BUILTINS:
         return _builtin_gguf(BUILTINS[model.name])

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from ..decoding import GenerationStats
+from ..core.sampling import GREEDY, SamplingParams
+from ..decoding.loop import GenerationStats
 from ..errors import InvalidInputError
-from ..models import Model
-from ..sampling import GREEDY, SamplingParams
+from ..model.models import Model
 from . import llamacpp
 from .spec import BenchMethod
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..io import atomic_write_text
 from .runner import BenchResult
 from .summary import BenchSummary, MethodSummary
 
@@ -339,11 +340,9 @@ def write_outputs(result: BenchResult, summary: BenchSummary, out_dir: str | Pat
         "speedup": out / "speedup.png",
         "layers": out / "layers.png",
     }
-    with paths["results"].open("w", encoding="utf-8") as f:
-        for r in result.records:
-            f.write(dumps(r.to_dict()) + "\n")
-    paths["summary"].write_text(dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
-    paths["report"].write_text(markdown_report(summary), encoding="utf-8")
+    atomic_write_text(paths["results"], "".join(dumps(r.to_dict()) + "\n" for r in result.records))
+    atomic_write_text(paths["summary"], dumps(summary.to_dict(), indent=2) + "\n")
+    atomic_write_text(paths["report"], markdown_report(summary))
     plot_speedup(summary, paths["speedup"])
     plot_layers(summary, paths["layers"], result.num_layers)
     if summary.stream is not None:

@@ -159,6 +159,8 @@ def expected_speedup(M: float | None, alpha: float | None, c: float | None) -> f
     return M * alpha / denom if denom > 0 else None
 
 
+# Long (~85 lines): one flat list of per-method aggregates (means, speedups, memory, acceptance histograms);
+# each line is one figure of the summary.  A split into figure groups is left for a follow-up of issue 16.
 def summarize_method(
     result: BenchResult,
     method: BenchMethod,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 
 @dataclass(frozen=True)

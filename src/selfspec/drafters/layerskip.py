@@ -11,7 +11,7 @@ Draft-length policies decide after each drafted token whether to go on:
 * :class:`FixedDraftLength` -- always draft k tokens.
 * :class:`CostAwareExit` -- ours: go on while the next token is expected to
   pay for its draft step and its extra verification cost (see
-  :mod:`selfspec.economy`); may also decide that a round is better spent
+  :mod:`selfspec.cost.economy`); may also decide that a round is better spent
   without drafting at all.
 
 Tree policies decide which of the draft's next-best tokens join the drafted
@@ -23,7 +23,7 @@ chain as extra leaves (SWIFT's dynamic verification):
   pays for the extra verification cost measured on this machine.
 
 :func:`draft_round` runs the draft model once per token along the chain and
-returns the :class:`~selfspec.trees.DraftTree` to verify.
+returns the :class:`~selfspec.decoding.trees.DraftTree` to verify.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .economy import Economy
-from .errors import InvalidInputError
-from .sampling import GREEDY, SamplingParams, sample_without_replacement, warp
-from .skipset import SkipSet
-from .trees import DraftTree
+from ..core.sampling import GREEDY, SamplingParams, sample_without_replacement, warp
+from ..core.skipset import SkipSet
+from ..cost.economy import Economy
+from ..decoding.protocols import DraftOutcome
+from ..decoding.trees import DraftTree
+from ..errors import InvalidInputError
 
 # -- draft-length policies ---------------------------------------------------------------------
 
@@ -222,15 +223,8 @@ class CostAwareTreeWidths(TreePolicy):
 # -- the draft loop ----------------------------------------------------------------------------
 
 
-@dataclass
-class DraftOutcome:
-    tree: DraftTree
-    chain_probs: list[float]  # draft probability of each drafted chain token
-    leaf_probs: dict[int, float]  # node index -> draft probability, for the alternative leaves
-    steps: int  # drafted tokens on the chain (= draft forward passes, unless ``passes`` says otherwise)
-    passes: int | None = None  # draft forward passes, when one pass drafts several tokens (S3D)
-
-
+# Long (~70 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
+# probability); kept in one function so that the sampling-correctness argument can be read in one place.
 @torch.inference_mode()
 def draft_round(
     engine,
@@ -245,7 +239,7 @@ def draft_round(
     precision: torch.dtype | None = None,
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
-) -> DraftOutcome:
+) -> DraftOutcome | None:
     """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``).
 
     Greedy: the chain follows the draft's argmax and the leaves are its next
@@ -253,7 +247,9 @@ def draft_round(
     successive draws without replacement from the warped draft distribution q,
     which the tree keeps for the acceptance test.  The draft passes write
     their keys and values beyond the committed length; verification overwrites
-    them.
+    them.  Non-finite draft logits (a skip set or a low precision that broke
+    the draft model) end the draft: None when nothing was drafted yet, so that
+    the round falls back to plain decoding.
     """
     device = engine.device
     tokens, parents = [root], [-1]
@@ -266,6 +262,10 @@ def draft_round(
         parent = len(tokens) - 1
         ids = torch.tensor([tokens[parent]], dtype=torch.long, device=device)
         logits = engine.forward(cache, ids, start + parent, skip=skip, last_only=True, precision=precision)
+        if not bool(torch.isfinite(logits[-1]).all()):
+            if not chain_probs:
+                return None
+            break  # keep the chain drafted so far
         q = logits[-1].float().softmax(-1) if sampling.greedy else warp(logits[-1], sampling)  # [V]
         top = q.topk(min(MAX_WIDTH, q.shape[-1]))
         extra = 0
@@ -310,7 +310,7 @@ class Drafter:
 
     ``dtype`` is the precision of the draft passes' linear layers: ``same``
     (the model's own, as in the papers), ``float16`` / ``bfloat16`` (a copy of
-    the weights, see :mod:`selfspec.kernels`), or ``auto``: the cheapest one
+    the weights, see :mod:`selfspec.core.kernels`), or ``auto``: the cheapest one
     the model's cost profile shows to agree with the full model.  Output stays
     exactly the full model's whatever the choice; only speed changes.
     """
@@ -343,7 +343,7 @@ class Drafter:
         """The draft precision name for ``model`` (``auto`` resolved once, from the cost profile)."""
         if self._precision is None:
             if self.dtype == "auto":
-                from .costs import cost_profile
+                from ..cost.costs import cost_profile
 
                 self._precision = cost_profile(model).best_precision()
             else:
@@ -351,7 +351,7 @@ class Drafter:
         return self._precision
 
     def torch_dtype(self, model) -> torch.dtype | None:
-        from .costs import PRECISIONS
+        from ..cost.costs import PRECISIONS
 
         dtype = PRECISIONS[self.precision(model)]
         return None if dtype is None or dtype == model.adapter.dtype else dtype
@@ -360,7 +360,7 @@ class Drafter:
         """Before a prompt: set up the economy (cost-aware policies) for this draft model."""
         if not self.needs_profile:
             return
-        from .costs import cost_profile
+        from ..cost.costs import cost_profile
 
         profile = cost_profile(model)
         precision = self.precision(model)
@@ -391,6 +391,12 @@ class Drafter:
             model.engine, cache, start, root, skip=skip, budget=budget, length=self.length, tree=self.tree,
             precision=self.torch_dtype(model), sampling=sampling, generator=generator,
         )  # fmt: skip
+
+    def propose(self, history, *, model, cache, skip: SkipSet | None, budget: int,
+                sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None) -> DraftOutcome | None:
+        """The :class:`~selfspec.decoding.protocols.Drafter` entry: draft after ``history[-1]``, which sits at
+        the cache's committed length.  (A layer-skip draft reads the history through the cache.)"""
+        return self.draft(model, cache, cache.length, history[-1], skip, budget, sampling, generator)
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip

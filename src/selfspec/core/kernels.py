@@ -17,7 +17,7 @@ This module holds the candidates (:data:`KERNELS`), one :class:`KernelLinear`
 per linear layer that computes with whichever kernel the :class:`KernelPlan`
 names for its dtype and row count, and the scoped switches of draft passes
 (:func:`draft_precision`, :func:`draft_adapters`).  Which kernel wins is
-measured per machine and model by :mod:`selfspec.kernel_plan` (``selfspec
+measured per machine and model by :mod:`selfspec.core.kernel_plan` (``selfspec
 kernels`` prints the report).
 
 Rules that keep it correct:
@@ -298,11 +298,15 @@ def kernel_linears(module: nn.Module) -> list[KernelLinear]:
     return [m for m in module.modules() if isinstance(m, KernelLinear)]
 
 
-def set_plan(modules: list[KernelLinear], plan: KernelPlan) -> None:
-    """Use ``plan`` from now on; prepared copies the new plan does not use are dropped."""
+def set_plan(modules: list[KernelLinear], plan: KernelPlan, *, release: bool = True) -> None:
+    """Use ``plan`` from now on; prepared copies the new plan does not use are dropped (unless ``release`` is
+    False: while plans are being timed against each other, so that no pass pays for re-preparing)."""
     for m in modules:
         m.plan = plan
-        keep = {(k, dt) for dt, bounds in plan.choices.items() for _, k in bounds}
+        if not release:
+            continue
+        # the model dtype's copies stay; draft copies are made when a draft first runs (only what a method uses)
+        keep = {(k, dt) for dt, bounds in plan.choices.items() for _, k in bounds if dt == m.weight.dtype}
         m.release(keep | {(TORCH.name, m.weight.dtype)})
 
 

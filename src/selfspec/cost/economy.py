@@ -1,7 +1,7 @@
 """Is one more draft token, or one more tree leaf, worth its cost?  Decided from measurements.
 
 A speculative round costs draft passes plus one verification pass whose cost
-grows with the number of candidates (:class:`~selfspec.costs.CostProfile`);
+grows with the number of candidates (:class:`~selfspec.cost.costs.CostProfile`);
 it earns the accepted tokens plus one.  An action (draft one more token, add
 one more leaf to the tree) that is expected to earn ``g`` tokens for ``t`` ms
 raises the rate tokens/ms exactly when ``g / t`` beats the rate already

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import kernels
-from .adapters import LlamaAdapter
-from .cache import KVCache
-from .skipset import NO_SKIP, SkipSet
+from ..arch.adapters import LlamaAdapter
+from ..core import kernels
+from ..core.cache import KVCache
+from ..core.skipset import NO_SKIP, SkipSet
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,10 @@ class Engine:
         ``[0, visible)``: a draft scored teacher-forced on already committed
         tokens (SWIFT's matchness) must not see the full model's entries of them.
         ``precision`` (drafts only) computes the linear layers with weights in
-        that dtype (see :func:`selfspec.kernels.draft_precision`).
+        that dtype (see :func:`selfspec.core.kernels.draft_precision`).
         ``input_embeds`` ``[T, H]`` replaces the embedding of ``input_ids`` (S3D's
         mask tokens); ``adapters`` (drafts only) switches on low-rank updates of
-        linear layers (see :func:`selfspec.kernels.draft_adapters`).
+        linear layers (see :func:`selfspec.core.kernels.draft_adapters`).
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
         """
         if precision is not None or adapters is not None:

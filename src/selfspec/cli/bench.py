@@ -42,7 +42,7 @@ differs from vanilla's), 2 on invalid input.
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the ``selfspec`` subparsers."""
-    from .spec import methods_help
+    from ..bench.spec import methods_help
 
     p = sub.add_parser(
         "bench",
@@ -108,7 +108,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _sampling(args: argparse.Namespace):
-    from ..sampling import SamplingParams
+    from ..core.sampling import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
@@ -138,7 +138,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 
 
 def _load_model(args: argparse.Namespace):
-    from ..models import load
+    from ..model.models import load
 
     return load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
 
@@ -146,12 +146,12 @@ def _load_model(args: argparse.Namespace):
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from ..bench.report import dumps, print_summary, warn_lossy, write_outputs
+    from ..bench.runner import run_benchmark
+    from ..bench.spec import parse_methods
+    from ..bench.summary import summarize
+    from ..bench.system import machine_info
     from ..datasets import load_prompts
-    from .report import dumps, print_summary, warn_lossy, write_outputs
-    from .runner import run_benchmark
-    from .spec import parse_methods
-    from .summary import summarize
-    from .system import machine_info
 
     methods = parse_methods(args.methods)  # validated before the model loads
     names = _check_args(args)

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from .adapters import LlamaAdapter, adapter_for
+from ..arch.adapters import LlamaAdapter, adapter_for
+from ..core.kernel_plan import KernelReport, choose_plan, torch_only
+from ..errors import InvalidInputError, ModelNotFoundError, SelfspecError
 from .engine import Engine
-from .errors import InvalidInputError, ModelNotFoundError, SelfspecError
-from .kernel_plan import KernelReport, choose_plan, torch_only
 
 DEFAULT_MODEL = "smollm2-135m"
 KERNEL_MODES = ("auto", "torch")
@@ -80,7 +80,7 @@ class Model:
     hf: Any  # transformers PreTrainedModel
     tokenizer: Any
     source: str
-    kernels: str = "auto"  # "auto": measured per machine and model (selfspec.kernel_plan); "torch": torch's own
+    kernels: str = "auto"  # "auto": measured per machine and model (selfspec.core.kernel_plan); "torch": torch's own
     adapter: LlamaAdapter = field(init=False)
     engine: Engine = field(init=False)
     kernel_report: KernelReport = field(init=False)
@@ -98,9 +98,30 @@ class Model:
         if self.kernels == "torch":
             self.kernel_report = torch_only(self.adapter.linears, self.adapter.device, "kernels='torch': torch's own")
         else:
-            self.kernel_report = choose_plan(self.adapter.linears, self.adapter.device, force=force)
+            self.kernel_report = choose_plan(self.adapter.linears, self.adapter.device, self._pass_ms, force=force)
         self.adapter.set_kernel_plan(self.kernel_report.plan())
+        self._timing_cache = None
         return self.kernel_report
+
+    @torch.inference_mode()
+    def _pass_ms(self, plan, rows: int, dtype: torch.dtype) -> float:
+        """ms of one forward pass over ``rows`` new tokens after a 32-token context, computed with ``plan``
+        (draft precision ``dtype`` when it is not the model's): the timer of the kernel choice."""
+        import time
+
+        engine, context = self.engine, 32
+        self.adapter.set_kernel_plan(plan, release=False)  # copies of the other candidates stay until chosen
+        if getattr(self, "_timing_cache", None) is None or self._timing_cache.capacity < context + rows:
+            self._timing_cache = engine.new_cache(context + 64)
+            engine.forward(self._timing_cache, torch.arange(context, device=engine.device) % self.adapter.vocab_size, 0)
+            self._timing_cache.commit(context)
+        ids = (torch.arange(rows, device=engine.device) + 3) % self.adapter.vocab_size
+        precision = None if dtype == self.adapter.dtype else dtype
+        t0 = time.perf_counter()
+        engine.forward(self._timing_cache, ids, context, precision=precision)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        return 1000 * (time.perf_counter() - t0)
 
     @property
     def num_layers(self) -> int:
@@ -363,8 +384,8 @@ def _from_pretrained(where: Path | str, dtype: torch.dtype, name: str):
         ) from None
     except ValueError as exc:
         raise SelfspecError(f"model '{name}' has an unreadable config: {str(exc).splitlines()[0][:200]}") from None
-    from .adapters import SUPPORTED_MODEL_TYPES
-    from .errors import UnsupportedModelError
+    from ..arch.adapters import SUPPORTED_MODEL_TYPES
+    from ..errors import UnsupportedModelError
 
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(

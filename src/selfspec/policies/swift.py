@@ -25,7 +25,7 @@ with a fixed ``skip_ratio`` restore the paper's behaviour):
 * **The skip ratio adapts** (``skip_ratio="auto"``, the default): a candidate
   is scored by the speedup it predicts, from its matchness (as the per-token
   acceptance) and its draft cost measured by the model's cost profile
-  (:mod:`selfspec.costs`), maximised over the draft length.  A small model
+  (:mod:`selfspec.cost.costs`), maximised over the draft length.  A small model
   whose drafts collapse when half its layers go gets a sparse set; a large one
   a dense set; no number to guess per model.
 * **Local proposals** (``search="local"``): the non-BO proposals mutate the
@@ -54,8 +54,9 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidInputError
-from .skipset import SkipSet
+from ..core.skipset import SkipSet
+from ..errors import InvalidInputError
+from ..io import atomic_write_text, read_json
 
 STATE_VERSION = 1
 
@@ -166,7 +167,7 @@ class SwiftPolicy:
         if self._drafter is not None:
             self._precision_name = self._drafter.precision(model)
         if self.config.objective == "speed" and self._profile is None:
-            from .costs import cost_profile
+            from ..cost.costs import cost_profile
 
             self._profile = cost_profile(model)
         self._last_round_end = None
@@ -204,18 +205,14 @@ class SwiftPolicy:
         if path is None or self.state is None or self._model_key is None:
             return
         data: dict[str, Any] = {}
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                data = {}
+        if path.is_file():  # a corrupt or foreign file is reported, never overwritten: it may be someone's work
+            data = read_json(path, what="SWIFT state")
+            if not isinstance(data, dict):
+                raise InvalidInputError(f"SWIFT state {path} is not a SWIFT state file; delete it or pass another")
         entry = asdict(self.state)
         entry["version"] = STATE_VERSION
         data[self._model_key] = entry
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data) + "\n")
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(data) + "\n")
 
     def finish(self) -> None:
         """After a prompt: save the state when a path was given."""

@@ -18,7 +18,7 @@
 
 Measure, fit and report (each adapter directory from ``selfspec train-s3d``)::
 
-    python -m selfspec.s3d_model adapters/s3d-a adapters/s3d-b adapters/s3d-c --dataset xsum --limit 5
+    python -m selfspec.train.s3d_speed adapters/s3d-a adapters/s3d-b adapters/s3d-c --dataset xsum --limit 5
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def measure(model, adapter_dirs: Sequence[str], prompts, max_new_tokens: int, pr
     """For each adapter: conditional acceptance per position, speedup and overhead vs vanilla (same prompts)."""
     from tqdm import tqdm
 
-    from .api import Session
-    from .s3d import S3DAdapter
+    from ..api import Session
+    from ..drafters.s3d import S3DAdapter
 
     Session(model, "vanilla").generate(prompts[0].prompt, max_new_tokens=8)  # warm-up
     vanilla_time, vanilla_tokens = 0.0, 0
@@ -166,10 +166,10 @@ def measure(model, adapter_dirs: Sequence[str], prompts, max_new_tokens: int, pr
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .datasets import load_prompts
-    from .models import load
+    from ..datasets import load_prompts
+    from ..model.models import load
 
-    p = argparse.ArgumentParser(prog="python -m selfspec.s3d_model", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m selfspec.train.s3d_speed", description=__doc__.split("\n")[0])
     p.add_argument("adapters", nargs="+", help="adapter directories (different skip depths)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dataset", default="xsum")

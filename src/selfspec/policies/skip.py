@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engine import SublayerCosine
-from .errors import InvalidInputError
-from .skipset import SkipSet
+from ..core.skipset import SkipSet
+from ..errors import InvalidInputError
+from ..model.engine import SublayerCosine
 
 ASD_VARIANTS = {
     "admg": "CS thresholding + rule 1 (every m-th layer) + rule 2 (keep the last n)",

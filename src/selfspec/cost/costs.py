@@ -8,7 +8,7 @@ what a pass over 1 costs; on our 2-core CPU it costs 1.5-2x (DESIGN.md section
 
 * ``forward_ms[T]``: one full-model pass over T new tokens (T = 1..64);
 * per draft precision (the model's own dtype, and float16 / bfloat16 copies
-  of the linear weights, see :mod:`selfspec.kernels`): what one attention /
+  of the linear weights, see :mod:`selfspec.core.kernels`): what one attention /
   MLP sublayer adds to a one-token pass (averaged over the layers), the rest
   (embedding, final norm, LM head), so a draft's cost is predicted from its
   skip set, and how often its greedy token agrees with the full model's on a
@@ -17,7 +17,7 @@ what a pass over 1 costs; on our 2-core CPU it costs 1.5-2x (DESIGN.md section
 
 The profile is cached as JSON under ``$SELFSPEC_CACHE/profiles`` keyed by the
 model, its shape, device, dtype, thread count and torch version; delete the
-file (or ``python -m selfspec.costs MODEL --force``) to re-measure.  Timings
+file (or ``python -m selfspec.cost.costs MODEL --force``) to re-measure.  Timings
 are noisy on shared machines: every figure is the lower quartile of repeated,
 interleaved runs, and ``forward_ms`` is made non-decreasing in T.
 """
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .skipset import SkipSet
+from ..core.skipset import SkipSet
 
 PROFILE_VERSION = 4
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
@@ -298,7 +298,7 @@ def _sync(device: torch.device) -> None:
 def _main() -> None:  # pragma: no cover - a manual tool
     import argparse
 
-    from .models import load
+    from ..model.models import load
 
     p = argparse.ArgumentParser(description="measure (or show) the cost profile of a model on this machine")
     p.add_argument("model", nargs="?", default="smollm2-135m")

@@ -14,7 +14,7 @@ Supported ``config.model_type`` values:
   tables and sliding-window layers (:class:`Gemma3Adapter`).
 
 The adapter computes with *shadow* copies of the decoder layers and the LM
-head (:func:`selfspec.kernels.shadow`): they share the model's parameters,
+head (:func:`selfspec.core.kernels.shadow`): they share the model's parameters,
 but their linear layers use the kernels chosen for this machine and their
 attention uses a copy of the config set to SDPA.  The user's model object is
 never changed: ``model.generate`` stays stock transformers.  Weights changed
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from . import kernels
-from .errors import UnsupportedModelError
+from ..core import kernels
+from ..errors import UnsupportedModelError
 
 RotaryTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [1, T, head_dim]
 
@@ -107,8 +107,8 @@ class LlamaAdapter:
         return config
 
     # -- kernels ----------------------------------------------------------------------------------
-    def set_kernel_plan(self, plan: kernels.KernelPlan) -> None:
-        kernels.set_plan(self.linears, plan)
+    def set_kernel_plan(self, plan: kernels.KernelPlan, *, release: bool = True) -> None:
+        kernels.set_plan(self.linears, plan, release=release)
 
     def refresh_kernels(self) -> None:
         """Drop every prepared weight copy (after writes the version counter cannot see, e.g. via ``.data``)."""

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
+from ..io import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class SkipSet:
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 NO_SKIP = SkipSet()

@@ -35,14 +35,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .datasets import PromptItem
-from .decoding import Decoder, prefill
-from .engine import SublayerCosine
-from .errors import InvalidInputError
-from .methods import build_policies
-from .models import Model
-from .policies import admg
-from .skipset import SkipSet
+from ..core.skipset import SkipSet
+from ..datasets import PromptItem
+from ..decoding.loop import Decoder, prefill
+from ..errors import InvalidInputError
+from ..io import atomic_write_text
+from ..methods import build_policies
+from ..model.engine import SublayerCosine
+from ..model.models import Model
+from ..policies.skip import admg
 
 STATE_VERSION = 1
 
@@ -89,9 +90,7 @@ class SearchState:
         return d
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)  # never leave a half-written state behind
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")  # never a half-written state
 
     @classmethod
     def load(cls, path: Path) -> SearchState:
@@ -236,6 +235,8 @@ class Calibration:
 ProgressFn = Callable[[Observation, SearchState], None]
 
 
+# TODO(issue 16): ~140 lines, the longest function left: resume, calibration, vanilla baseline, the
+# Bayesian-optimisation loop and progress output in one.  Split into a SearchRun class like train/s3d.py's _Run.
 def search_skip_set(
     model: Model,
     prompts: Sequence[PromptItem],

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sampling import sample
+from ..core.sampling import sample
 from .trees import DraftTree
 
 

@@ -1,23 +1,23 @@
-"""Choosing the kernels of :mod:`selfspec.kernels` for this machine and model, by measuring them.
+"""Choosing the kernels of :mod:`selfspec.core.kernels` for this machine and model, by measuring them.
 
 Run ``selfspec kernels [--model M] [--force]`` for the report: per dtype and
-row count, what one pass over the model's linear layers costs with each
-candidate kernel, in ms and GB/s of weights read, the machine's measured read
-bandwidth, the weight-read bound of one decoding step, and which kernel was
-chosen.
+row count, what one forward pass of the model over that many new tokens
+costs with each candidate kernel computing every linear product, in ms and
+in GB/s of weights read, the machine's measured read bandwidth, the
+weight-read bound of one decoding step, and which kernel was chosen.
 
-How: the linear weights (all of them, or for a large model the first layers
-up to :data:`SAMPLE_BYTES` plus the LM head, the timings scaled to the whole)
-are streamed once per pass, as in a real decoding step, so that a kernel is
-judged on weights coming from memory, not from cache.  Every candidate is
-timed at the row counts of :data:`GRID` (the model's dtype) or
-:data:`DRAFT_GRID` (cheaper draft copies); the lowest time wins, torch's own
-kernel unless another is at least :data:`MARGIN` faster.  The plan and the
-report are cached as JSON under ``$SELFSPEC_CACHE/kernels``, keyed by the CPU,
-core and thread count, torch and its BLAS build, the device and the model's
-weight shapes; a damaged or stale file is reported in one line and measured
-again.  Choosing takes a few seconds once per machine and model, at load time,
-never inside a timed run.
+How: each candidate is timed inside whole forward passes on a warm cache (the
+model layer hands in the pass as a timer; this module knows no engine), not
+on the products alone -- back to back, a BLAS's threads stay awake that in a
+real pass fall asleep between products.  Every candidate is timed at the row
+counts of :data:`GRID` (the model's dtype: decoding, verification, prefill)
+or :data:`DRAFT_GRID` (cheaper draft copies); the lowest time wins, torch's
+own kernel unless another is at least :data:`MARGIN` faster.  The plan and
+the report are cached as JSON under ``$SELFSPEC_CACHE/kernels``, keyed by the
+CPU, core and thread count, torch and its BLAS build, the device and the
+model's weight shapes; a damaged or stale file is reported in one line and
+measured again.  Choosing takes seconds once per machine and model, at load
+time, never inside a timed run.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,12 +38,11 @@ import torch
 
 from .kernels import KERNELS, TORCH, KernelLinear, KernelPlan
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 GRID = (1, 2, 4, 8, 16, 64)  # rows measured in the model's dtype (decoding, verification, prefill chunks)
 DRAFT_GRID = (1, 2, 4, 8, 16, 32)  # rows measured for draft precisions (chains, trees, SWIFT's scoring pass)
 DRAFT_DTYPES = (torch.float16, torch.bfloat16)
 MARGIN = 0.05  # another kernel replaces torch's only when at least this much faster (timing noise)
-SAMPLE_BYTES = 384 << 20  # weights measured at most (plus the LM head); the timings are scaled to the whole
 REPS = 3
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -50,7 +50,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 
 @dataclass
 class KernelReport:
-    """What was measured and chosen; ``ms[dtype][kernel][rows]`` is one pass over all linear weights."""
+    """What was measured and chosen; ``ms[dtype][kernel][rows]`` is one forward pass over ``rows`` new tokens."""
 
     key: str
     machine: dict[str, Any]
@@ -130,10 +130,10 @@ def _cache_dir() -> Path:
 _MEMORY: dict[str, KernelReport] = {}
 
 
-def choose_plan(linears: list[KernelLinear], device: torch.device, *, force: bool = False,
-                cache: bool = True, quiet: bool = False) -> KernelReport:  # fmt: skip
+def choose_plan(linears: list[KernelLinear], device: torch.device, timer: PassTimer | None = None, *,
+                force: bool = False, cache: bool = True, quiet: bool = False) -> KernelReport:  # fmt: skip
     """The kernel report (with its plan) for these linear layers: from memory, the disk cache, or measured now."""
-    if device.type != "cpu" or not linears:
+    if device.type != "cpu" or not linears or timer is None:
         return torch_only(linears, device, "kernels are chosen on CPU only; elsewhere torch's own run")
     key = plan_key(linears, device)
     if not force and key in _MEMORY:
@@ -155,7 +155,7 @@ def choose_plan(linears: list[KernelLinear], device: torch.device, *, force: boo
             if busy:
                 print(f"selfspec: {busy}; timings may be off: rerun `selfspec kernels --force` when it is idle",
                       file=sys.stderr)
-        report = measure(linears, device, key=key)
+        report = measure(linears, device, timer, key=key)
         if cache:
             _write_atomic(path, json.dumps(report.to_dict(), indent=1) + "\n")
     _MEMORY[key] = report
@@ -170,6 +170,13 @@ def _busy() -> str:
         return ""
     cores = os.cpu_count() or 1
     return f"the machine is busy (load {load:.1f} on {cores} cores)" if load > cores - 0.5 else ""
+
+
+def forget_cached_plans() -> None:
+    """Delete every cached plan (memory and disk), so that the next load measures again."""
+    _MEMORY.clear()
+    for path in _cache_dir().glob("*.json"):
+        path.unlink(missing_ok=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -193,13 +200,19 @@ def _weight_bytes(linears: list[KernelLinear]) -> int:
 # -- measuring -----------------------------------------------------------------------------------------------------
 
 
+PassTimer = Callable[[KernelPlan, int, torch.dtype], float]  # (plan, rows, dtype) -> ms of one full forward pass
+
+
 @torch.inference_mode()
-def measure(linears: list[KernelLinear], device: torch.device, *, key: str = "") -> KernelReport:
-    """Time every candidate kernel at every grid row count and choose per dtype (see the module docstring)."""
+def measure(linears: list[KernelLinear], device: torch.device, timer: PassTimer, *, key: str = "") -> KernelReport:
+    """Time every candidate kernel at every grid row count and choose per dtype (see the module docstring).
+
+    ``timer`` runs one whole forward pass of the model over ``rows`` new tokens with the given plan (and, for
+    a draft dtype, draft precision) and returns its ms: a kernel is judged inside a real pass, where the other
+    operations between its products decide, for instance, whether a BLAS's threads are still awake (measured:
+    MKL's 2-row products cost 16 ms per pass over the weights back to back, 36 ms inside real passes)."""
     t_start = time.perf_counter()
     model_dtype = linears[0].weight.dtype
-    sample = _sample(linears)
-    scale = _weight_bytes(linears) / max(1, _weight_bytes(sample))
     dtypes = [model_dtype] + [d for d in DRAFT_DTYPES if d != model_dtype and model_dtype == torch.float32]
     ms: dict[str, dict[str, dict[int, float]]] = {}
     unavailable: dict[str, dict[str, str]] = {}
@@ -207,21 +220,21 @@ def measure(linears: list[KernelLinear], device: torch.device, *, key: str = "")
     for dtype in dtypes:
         name = DTYPE_NAMES[dtype]
         grid = GRID if dtype == model_dtype else DRAFT_GRID
-        ms[name], unavailable[name] = {}, {}
-        usable = []
+        usable, unavailable[name] = [], {}
         for kernel in KERNELS.values():
             why = kernel.unavailable(device, dtype)
             if why is None:
                 try:  # a build or CPU may lack it after all: try it once on a small product
-                    w = kernel.prepare(sample[0].weight[:8], dtype)
-                    kernel.run(torch.zeros(2, sample[0].in_features, dtype=dtype), w, None)
+                    w = kernel.prepare(linears[0].weight[:8], dtype)
+                    kernel.run(torch.zeros(2, linears[0].in_features, dtype=dtype), w, None)
                     usable.append(kernel)
                 except (RuntimeError, NotImplementedError) as exc:
                     why = f"failed: {str(exc).splitlines()[0][:120]}"
             if why is not None:
                 unavailable[name][kernel.name] = why
-        timed = _time_kernels(usable, sample, dtype, grid)
-        ms[name] = {k: {r: t * scale for r, t in rows.items()} for k, rows in timed.items()}
+        # kernels with a pool of their own last and apart: their spinning threads would slow whatever ran next
+        ms[name] = _time_kernels([k for k in usable if not k.own_pool], dtype, grid, timer)
+        ms[name].update(_time_kernels([k for k in usable if k.own_pool], dtype, grid[:1], timer))  # reference
         choices[name] = _choose(ms[name], grid)
     return KernelReport(key=key, machine=machine_facts(), device=str(device),
                         model_dtype=DTYPE_NAMES.get(model_dtype, str(model_dtype)),
@@ -229,37 +242,16 @@ def measure(linears: list[KernelLinear], device: torch.device, *, key: str = "")
                         unavailable=unavailable, choices=choices, seconds=time.perf_counter() - t_start)  # fmt: skip
 
 
-def _sample(linears: list[KernelLinear]) -> list[KernelLinear]:
-    """All layers, or for a large model the first ones up to SAMPLE_BYTES plus the largest (the LM head)."""
-    if _weight_bytes(linears) <= SAMPLE_BYTES:
-        return list(linears)
-    largest = max(linears, key=lambda m: m.weight.numel())
-    out, total = [], largest.weight.numel() * largest.weight.element_size()
-    for m in linears:
-        if m is largest:
-            continue
-        if total >= SAMPLE_BYTES:
-            break
-        out.append(m)
-        total += m.weight.numel() * m.weight.element_size()
-    return out + [largest]
-
-
-def _time_kernels(kernels: list, linears: list[KernelLinear], dtype: torch.dtype, grid) -> dict[str, dict[int, float]]:
-    """ms of one pass over ``linears`` per kernel and row count: the best of REPS passes, the kernels
-    interleaved (in a shuffled order each round) so that drift of a shared machine hits them alike."""
-    prepared = {k.name: [(k.prepare(m.weight, dtype), None if m.bias is None else m.bias.detach().to(dtype))
-                         for m in linears] for k in kernels}  # fmt: skip
+def _time_kernels(kernels: list, dtype: torch.dtype, grid, timer: PassTimer) -> dict[str, dict[int, float]]:
+    """ms of one forward pass per kernel and row count: the best of REPS passes, the kernels interleaved (in a
+    shuffled order each round) so that drift of a shared machine hits them alike."""
     order = random.Random(0)
+    plans = {k.name: KernelPlan({dtype: [(1 << 30, k.name)]}) for k in kernels}
     best: dict[str, dict[int, float]] = {k.name: {} for k in kernels}
     for rows in grid:
-        xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-        for rep in range(REPS + 1):  # the first round warms up (first-call set-up, page faults of fresh copies)
+        for rep in range(REPS + 1):  # the first round warms up (first-call set-up, prepared copies made)
             for kernel in order.sample(kernels, len(kernels)):
-                t0 = time.perf_counter()
-                for m, (w, b) in zip(linears, prepared[kernel.name], strict=True):
-                    kernel.run(xs[m.in_features], w, b)
-                ms = 1000 * (time.perf_counter() - t0)
+                ms = timer(plans[kernel.name], rows, dtype)
                 if rep:
                     best[kernel.name][rows] = min(ms, best[kernel.name].get(rows, float("inf")))
     return best
@@ -320,11 +312,14 @@ def format_report(report: KernelReport, step_ms: float | None = None) -> str:
         chosen = dict(report.choices.get(dtype, []))
         lines.append("")
         role = "verification and vanilla decoding" if dtype == report.model_dtype else "draft passes only"
-        lines.append(f"{dtype} ({role}): ms per pass over all linear weights (GB/s); * = chosen")
-        lines.append(f"  {'kernel':<10}" + "".join(f"{'rows ' + str(r):>16}" for r in grid))
+        lines.append(f"{dtype} ({role}): ms per forward pass over T new tokens (GB/s of weights); * = chosen")
+        lines.append(f"  {'kernel':<10}" + "".join(f"{'T=' + str(r):>16}" for r in grid))
         for name, table in kernels.items():
             cells = []
             for r in grid:
+                if r not in table:
+                    cells.append("-")
+                    continue
                 mark = "*" if _chosen_at(chosen, r) == name else " "
                 bytes_ = report.weight_bytes * (0.5 if dtype != report.model_dtype else 1.0)
                 cells.append(f"{table[r]:7.1f} ({bytes_ / table[r] / 1e6:4.0f}){mark}")

@@ -1,0 +1,1 @@
+"""The one place that knows Hugging Face model internals: per-architecture adapters."""

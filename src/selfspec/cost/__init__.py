@@ -1,0 +1,1 @@
+"""Measured costs of forwards on this machine, and the economy that prices drafts with them."""

@@ -1,0 +1,1 @@
+"""The decode loop, its candidate trees, acceptance rules and statistics."""

@@ -1,0 +1,323 @@
+"""The decode loop: vanilla and self-speculative (chains and token trees; greedy or sampled).
+
+One round, as in gpt-fast's speculative step and the papers' algorithms
+(:meth:`Decoder.__iter__` reads as these numbered stages):
+
+0. adapt   -- a refining skip policy may change its skip set first (SWIFT's
+              optimisation step; a no-op for static sets, ASD and S3D);
+1. draft   -- the drafter proposes candidates after the token history: a chain,
+              or a tree with the draft's next-best tokens as extra leaves;
+              non-finite draft logits give a round without a draft;
+2. verify  -- one full-model forward over the linearised tree (a chain is the
+              common case) with a tree attention mask;
+3. accept  -- the longest drafted path the full model agrees with (greedy) or
+              keeps (speculative sampling), plus its next token (the bonus);
+4. commit  -- move the accepted path's cache entries into place and commit them
+              (rollback = length update); stop at EOS or the length limit;
+5. observe -- tell the drafter and the skip policy how the round went.
+
+Vanilla decoding is the same loop with no drafter: every round is one
+full-model forward producing one token.  A drafter needs no skip policy
+(an n-gram drafter skips no layers).  Not for concurrent use: a decoder, its
+drafter and its policies hold per-generation state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.cache import KVCache
+from ..core.sampling import GREEDY, SamplingParams, sample, warp
+from ..core.skipset import SkipSet
+from ..errors import InvalidInputError, SelfspecError
+from ..model.engine import SublayerCosine
+from ..model.models import Model
+from .acceptance import accept_greedy, accept_sampling
+from .protocols import Drafter, DraftOutcome, RoundContext, SkipPolicy
+from .stats import GenerationStats
+from .trees import DraftTree
+
+__all__ = ["Decoder", "GenerationStats", "Prefill", "RoundContext", "check_lengths", "prefill", "prefill_cosine"]
+
+
+def check_finite(logits: torch.Tensor, what: str) -> None:
+    """The full model's logits must be finite: a NaN there is a broken model or input, not a bad draft."""
+    if not bool(torch.isfinite(logits).all()):
+        raise SelfspecError(
+            f"the full model produced NaN or infinite logits during {what}; the model's weights or dtype are "
+            "broken for this input (try dtype='float32')"
+        )
+
+
+def check_lengths(model: Model, prompt_len: int, max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise InvalidInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ctx = model.max_context
+    if prompt_len >= ctx:
+        raise InvalidInputError(f"the prompt is {prompt_len} tokens, longer than the model's context of {ctx} tokens")
+    if prompt_len + max_new_tokens > ctx:
+        raise InvalidInputError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
+            f"{ctx} tokens; lower max_new_tokens to at most {ctx - prompt_len}"
+        )
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prompt's full-model prefill, reusable by several decodings of that prompt.
+
+    Decoding writes only at cache slots beyond the prompt, so the prompt's keys
+    and values stay valid; every decoder rewinds the cache to the prompt before
+    it starts.  Decoders that reuse a prefill report ``prefill_time`` 0 and
+    leave it out of ``total_time``.  Not for concurrent use.
+    """
+
+    prompt_ids: tuple[int, ...]
+    cache: KVCache
+    first_token: int  # the greedy one
+    cosine: SublayerCosine | None
+    last_logits: torch.Tensor | None = None  # [V], for sampling the first token
+
+
+def prefill(
+    model: Model, prompt_ids: list[int], *, max_new_tokens: int = 1, max_nodes: int = 1, cosine: bool = False
+) -> Prefill:
+    """Run the full model over ``prompt_ids`` once, with room for decodings up to ``max_new_tokens``.
+
+    ``max_nodes``: the most tokens one verification pass of the decodings will hold.
+    """
+    check_lengths(model, len(prompt_ids), max_new_tokens)
+    engine = model.engine
+    cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_nodes)
+    out: list[SublayerCosine] = []
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
+    logits = engine.forward(cache, ids, 0, last_only=True, cosine_out=out if cosine else None)
+    check_finite(logits[-1], "prefill")
+    cache.commit(len(prompt_ids))
+    return Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), out[0] if out else None, logits[-1])
+
+
+def prefill_cosine(model: Model, prompt_ids: list[int]) -> SublayerCosine:
+    """Per-sublayer cosine similarity of one full-model prefill over ``prompt_ids`` (no decoding)."""
+    cos = prefill(model, prompt_ids, cosine=True).cosine
+    assert cos is not None
+    return cos
+
+
+@dataclass
+class _Tally:
+    """Counters of one generation (the statistics' raw material)."""
+
+    forwards: int = 1  # the prefill
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verified: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    optimise_time: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)
+
+
+class Decoder:
+    """Iterate to get the new tokens of each round; ``stats`` once exhausted.  Not thread-safe."""
+
+    def __init__(
+        self,
+        model: Model,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        method: str = "vanilla",
+        skip_policy: SkipPolicy | None = None,
+        draft_policy: Drafter | None = None,
+        prefill: Prefill | None = None,
+        sampling: SamplingParams = GREEDY,
+    ) -> None:
+        check_lengths(model, len(prompt_ids), max_new_tokens)
+        if skip_policy is not None and draft_policy is None:
+            raise ValueError("a skip policy needs a drafter")
+        self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
+        self.method, self.sampling, self.prefill = method, sampling, prefill
+        self.skip_policy, self.drafter = skip_policy, draft_policy
+        if prefill is not None:
+            if prefill.prompt_ids != tuple(prompt_ids):
+                raise ValueError("the prefill is of another prompt")
+            need = len(prompt_ids) + max_new_tokens + self._max_nodes
+            if prefill.cache.capacity < need:
+                raise ValueError(
+                    f"the prefill's cache holds {prefill.cache.capacity} slots; this decoding needs {need}"
+                )
+            if self._wants_cosine and prefill.cosine is None:
+                raise ValueError("this skip policy needs the prefill's cosine statistics: prefill(..., cosine=True)")
+        self.stats: GenerationStats | None = None
+
+    @property
+    def _max_nodes(self) -> int:
+        return self.drafter.max_nodes if self.drafter is not None else 1
+
+    @property
+    def _wants_cosine(self) -> bool:
+        return self.skip_policy is not None and getattr(self.skip_policy, "needs_cosine", False)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        t_start = time.perf_counter()
+        pf, token = self._prefill()
+        cache, N, eos = pf.cache, self.max_new_tokens, self.model.eos_token_ids
+        prefill_time = time.perf_counter() - t_start
+        skip = self._bind(pf.cosine)
+        out, tally = [token], _Tally()
+        try:
+            yield [token]
+            while len(out) < N and token not in eos:
+                c = cache.length  # `token` (the last bonus) sits at slot c, not yet in the cache
+                t0 = time.perf_counter()
+                # 0. adapt: a refining skip policy may change the skip set (SWIFT)
+                skip = self._adapt(cache, out, skip, tally)
+                t1 = time.perf_counter()
+                # 1. draft candidates after the history (None: a round of plain decoding)
+                outcome = self._draft(out, cache, skip, budget=N - len(out) - 1)
+                t2 = time.perf_counter()
+                # 2. verify every candidate in one full-model forward
+                tree = outcome.tree if outcome is not None else None
+                logits = self._verify(cache, c, token, tree)  # [T, V]
+                # 3. accept the longest path the full model agrees with (or keeps), plus its next token
+                path, bonus = self._accept(tree, logits)
+                t3 = time.perf_counter()
+                # 4. commit the accepted path's cache entries; stop at EOS or at the length limit
+                cache.move([c + n for n in path], c)
+                cache.commit(c + len(path))
+                accepted = [tree.tokens[n] for n in path[1:]] if tree is not None else []
+                new = _until_stop(accepted + [bonus], eos, room=N - len(out))
+                out.extend(new)
+                token = new[-1]
+                # 5. observe: the drafter and the skip policy learn from the round
+                self._observe(outcome, path, len(new), tally, times=(t0, t1, t2, t3))
+                tally.verified += len(tree) if tree is not None else 1
+                yield new
+        finally:  # also when the consumer abandons the stream: SWIFT saves what it learned
+            finish = getattr(self.skip_policy, "finish", None)
+            if finish is not None:
+                finish()
+        self.stats = self._stats(out, tally, skip, pf.cosine if self._wants_cosine else None,
+                                 prefill_time, time.perf_counter() - t_start)  # fmt: skip
+
+    # -- the stages ----------------------------------------------------------------------------
+    def _prefill(self) -> tuple[Prefill, int]:
+        """The prompt's full-model prefill (unless given) and the first new token."""
+        N, S = self.max_new_tokens, len(self.prompt_ids)
+        pf = self.prefill or prefill(self.model, self.prompt_ids, max_new_tokens=N, max_nodes=self._max_nodes,
+                                     cosine=self._wants_cosine)  # fmt: skip
+        self._gen = None if self.sampling.greedy else self.sampling.generator(self.model.engine.device)
+        token = pf.first_token if self._gen is None else sample(warp(pf.last_logits, self.sampling), self._gen)
+        pf.cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
+        return pf, token
+
+    def _bind(self, cosine: SublayerCosine | None) -> SkipSet | None:
+        """Before the first round: the skip policy's first set, and the drafter bound to it."""
+        if self.drafter is None:
+            return None
+        skip = None
+        if self.skip_policy is not None:
+            bind = getattr(self.skip_policy, "bind", None)
+            if bind is not None:
+                bind(self.model, self.drafter)
+            skip = self.skip_policy.propose(cosine if self._wants_cosine else None, self.model.engine.num_layers)
+        self.drafter.bind(self.model, skip)
+        return skip
+
+    def _adapt(self, cache: KVCache, out: list[int], skip: SkipSet | None, tally: _Tally) -> SkipSet | None:
+        refine = getattr(self.skip_policy, "before_round", None)
+        if refine is None:
+            return skip
+        t0 = time.perf_counter()
+        new_skip = refine(RoundContext(self.model, cache, len(self.prompt_ids), out, skip))
+        if new_skip != skip:
+            skip = new_skip
+            self.drafter.bind(self.model, skip)
+        tally.optimise_time += time.perf_counter() - t0
+        return skip
+
+    def _draft(self, out: list[int], cache: KVCache, skip: SkipSet | None, budget: int) -> DraftOutcome | None:
+        if self.drafter is None:
+            return None
+        history = [*self.prompt_ids, *out]
+        return self.drafter.propose(history, model=self.model, cache=cache, skip=skip, budget=budget,
+                                    sampling=self.sampling, generator=self._gen)  # fmt: skip
+
+    def _verify(self, cache: KVCache, c: int, token: int, tree: DraftTree | None) -> torch.Tensor:
+        engine = self.model.engine
+        if tree is None or len(tree) == 1:
+            ids = torch.tensor([token], dtype=torch.long, device=engine.device)
+            logits = engine.forward(cache, ids, c, last_only=True)  # [1, V]
+        else:
+            ids = torch.tensor(tree.tokens, dtype=torch.long, device=engine.device)
+            mask = tree.attention_mask(engine.device)
+            positions = tree.positions(c, engine.device) if mask is not None else None
+            logits = engine.forward(cache, ids, c, positions=positions, tree_mask=mask)  # [T, V]
+        check_finite(logits, "verification")
+        return logits
+
+    def _accept(self, tree: DraftTree | None, logits: torch.Tensor) -> tuple[list[int], int]:
+        if tree is None or len(tree) == 1:
+            if self._gen is None:
+                return [0], int(logits[-1].argmax())
+            return [0], sample(warp(logits[-1], self.sampling), self._gen)
+        if self._gen is None:
+            return accept_greedy(tree, logits.argmax(-1).tolist())
+        return accept_sampling(tree, warp(logits, self.sampling), self._gen)
+
+    def _observe(self, outcome: DraftOutcome | None, path: list[int], tokens: int, tally: _Tally,
+                 times: tuple[float, float, float, float]) -> None:  # fmt: skip
+        t0, t1, t2, t3 = times
+        tally.forwards += 1
+        tally.draft_time += t2 - t1
+        tally.verify_time += t3 - t2
+        if self.drafter is None:
+            return
+        if outcome is not None and outcome.steps:
+            tally.drafted += outcome.steps
+            tally.draft_forwards += outcome.passes if outcome.passes is not None else outcome.steps
+            tally.accepted += len(path) - 1
+            tally.accept_lengths.append(len(path) - 1)
+            if self.skip_policy is not None:
+                self.skip_policy.observe(outcome.steps, len(path) - 1)
+        self.drafter.observe(outcome, path, tokens=tokens, round_ms=1000 * (time.perf_counter() - t1),
+                             draft_ms=1000 * (t2 - t1), verify_ms=1000 * (t3 - t2))  # fmt: skip
+
+    def _stats(self, out: list[int], tally: _Tally, skip: SkipSet | None, cosine: SublayerCosine | None,
+               prefill_time: float, total_time: float) -> GenerationStats:  # fmt: skip
+        eos = self.model.eos_token_ids
+        return GenerationStats(
+            method=self.method,
+            prompt_tokens=len(self.prompt_ids),
+            new_tokens=len(out),
+            forwards=tally.forwards,
+            draft_forwards=tally.draft_forwards,
+            drafted=tally.drafted,
+            accepted=tally.accepted,
+            prefill_time=prefill_time,
+            draft_time=tally.draft_time,
+            verify_time=tally.verify_time,
+            total_time=total_time,
+            stop_reason="eos" if out[-1] in eos else "length",
+            optimise_time=tally.optimise_time,
+            skip_set=skip.to_dict() if skip is not None else None,
+            cosine={"attention": list(cosine.attention), "mlp": list(cosine.mlp)} if cosine else None,
+            accept_lengths=tuple(tally.accept_lengths),
+            verified_tokens=tally.verified,
+            draft_precision=self.drafter.precision(self.model) if self.drafter is not None else None,
+        )
+
+
+def _until_stop(new: list[int], eos: frozenset[int], room: int) -> list[int]:
+    """The accepted tokens up to and including the first EOS, and at most ``room`` of them."""
+    for i, t in enumerate(new):
+        if t in eos:
+            new = new[: i + 1]
+            break
+    return new[:room]

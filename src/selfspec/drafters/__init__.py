@@ -1,0 +1,1 @@
+"""Drafters: layer-skip self-drafting (chains and trees), S3D mask-token drafting."""

@@ -1,0 +1,1 @@
+"""Policies: which layers to skip (static, ASD, SWIFT)."""

@@ -1,0 +1,1 @@
+"""Offline search for a skip set (Draft & Verify style Bayesian optimisation)."""

@@ -1,0 +1,1 @@
+"""Training and fitting: S3D speed model."""
