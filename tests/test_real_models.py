@@ -121,3 +121,16 @@ def test_smollm2_s3d_identical(smollm2, tmp_path):
         out = selfspec.generate(smollm2, item.prompt, "s3d", max_new_tokens=NEW, adapter=str(tmp_path))
         assert out.token_ids == base.token_ids, item.task
         assert out.stats.draft_forwards < out.stats.drafted
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_chosen_kernels_give_the_tokens_of_torchs_own(name, request):
+    """The measured kernel plan (oneDNN etc.) decodes the same greedy tokens as torch's own kernels, and
+    so does SWIFT, whose drafts and verification trees run many row counts through the chosen kernels."""
+    model = request.getfixturevalue(name)
+    assert model.kernel_report.plan().names(), "a CPU model gets a measured plan"
+    plain = selfspec.model_from_hf(model.hf, model.tokenizer, name=model.name, kernels="torch")
+    for item in _prompts(chat=model.has_chat_template)[:2]:
+        fast = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=40)
+        assert selfspec.generate(plain, item.prompt, "vanilla", max_new_tokens=40).token_ids == fast.token_ids
+        assert selfspec.generate(model, item.prompt, "swift", max_new_tokens=40).token_ids == fast.token_ids

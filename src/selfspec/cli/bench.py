@@ -162,7 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.llama_cpp:
         import os
 
-        from .llamacpp import ENV
+        from ..bench.llamacpp import ENV
 
         os.environ[ENV] = args.llama_cpp  # where the llamacpp peer looks first (after its own bin= option)
     model = _load_model(args)

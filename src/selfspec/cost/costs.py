@@ -173,8 +173,9 @@ def prepare_costs(model, *policies) -> None:
 def _estimate_s(model) -> float:
     """A rough duration of :func:`measure_profile` for the progress line: about 80 passes of growing size."""
     report = getattr(model, "kernel_report", None)
-    bound = report.bound_ms if report is not None and report.bandwidth_gbs else 20.0
-    return max(1.0, 10 * len(GRID) * 3 * bound / 1000)
+    one = [t[1] for t in (report.ms.get(report.model_dtype, {}) if report else {}).values() if 1 in t]
+    step = min(one) if one else 30.0  # ms of a one-token pass as measured by the kernel choice
+    return max(1.0, 10 * len(GRID) * 3 * step / 1000)
 
 
 @torch.inference_mode()
