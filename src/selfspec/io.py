@@ -18,6 +18,11 @@ from typing import IO, Any
 from .errors import InvalidInputError
 
 
+def cache_dir(*parts: str) -> Path:
+    """A folder of the package's cache: ``$SELFSPEC_CACHE`` (default ``~/.cache/selfspec``) / ``parts``."""
+    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec"), *parts)
+
+
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
     """Call ``write(f)`` on a temporary file next to ``path``, then move it onto ``path`` in one step."""
     path = Path(path)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..io import atomic_write_text, cache_dir
 from .kernels import KERNELS, TORCH, KernelLinear, KernelPlan
 
 PLAN_VERSION = 2
@@ -124,7 +125,7 @@ def plan_key(linears: list[KernelLinear], device: torch.device) -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec")) / "kernels"
+    return cache_dir("kernels")
 
 
 _MEMORY: dict[str, KernelReport] = {}
@@ -157,7 +158,7 @@ def choose_plan(linears: list[KernelLinear], device: torch.device, timer: PassTi
                       file=sys.stderr)
         report = measure(linears, device, timer, key=key)
         if cache:
-            _write_atomic(path, json.dumps(report.to_dict(), indent=1) + "\n")
+            atomic_write_text(path, json.dumps(report.to_dict(), indent=1) + "\n")
     _MEMORY[key] = report
     return report
 
@@ -177,13 +178,6 @@ def forget_cached_plans() -> None:
     _MEMORY.clear()
     for path in _cache_dir().glob("*.json"):
         path.unlink(missing_ok=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def torch_only(linears: list[KernelLinear], device: torch.device, note: str) -> KernelReport:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import statistics
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from ..core.skipset import SkipSet
+from ..io import atomic_write_text, cache_dir
 
 PROFILE_VERSION = 4
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
@@ -131,7 +131,7 @@ def profile_key(model) -> str:
 
 
 def _profile_dir() -> Path:
-    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec")) / "profiles"
+    return cache_dir("profiles")
 
 
 _MEMORY: dict[str, CostProfile] = {}
@@ -155,10 +155,7 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
         prof = measure_profile(model, key=key)
         model.adapter.release_draft_copies(PRECISIONS[prof.best_precision()])  # keep only the copy "auto" uses
         if cache:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(prof.to_dict(), indent=1) + "\n")
-            tmp.replace(path)
+            atomic_write_text(path, json.dumps(prof.to_dict(), indent=1) + "\n")
     _MEMORY[key] = prof
     return prof
 

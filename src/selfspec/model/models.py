@@ -27,6 +27,7 @@ import torch
 from ..arch.adapters import LlamaAdapter, adapter_for
 from ..core.kernel_plan import KernelReport, choose_plan, torch_only
 from ..errors import InvalidInputError, ModelNotFoundError, SelfspecError
+from ..io import cache_dir
 from .engine import Engine
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -249,7 +250,7 @@ def _parse_device(device: str) -> torch.device:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec"))
+    return cache_dir()
 
 
 def _looks_like_hub_id(name: str) -> bool:
