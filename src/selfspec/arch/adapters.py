@@ -118,7 +118,7 @@ class LlamaAdapter:
     def release_draft_copies(self, keep: torch.dtype | None) -> None:
         """Drop prepared copies in draft dtypes other than ``keep`` (memory: keep only what a method uses)."""
         for m in self.linears:
-            m.release({key for key in m._prepared if key[1] in (m.weight.dtype, keep)})
+            m.release(dtypes={m.weight.dtype, keep})
 
     def kernel_memory(self) -> int:
         """Bytes of prepared weight copies (packed, low precision) beyond the model's own weights."""

@@ -247,10 +247,11 @@ class KernelLinear(nn.Module):
             cached = self._prepared[(kernel.name, dtype)] = (version, kernel.prepare(self.weight, dtype), bias)
         return cached[1], cached[2]
 
-    def release(self, keep: set[tuple[str, torch.dtype]] | None = None) -> None:
-        """Drop prepared copies (all, or all but ``keep``)."""
+    def release(self, keep: set[tuple[str, torch.dtype]] | None = None, *, dtypes: set | None = None) -> None:
+        """Drop prepared copies: all, or all but the (kernel, dtype) pairs in ``keep`` and the dtypes in
+        ``dtypes``."""
         for key in list(self._prepared):
-            if keep is None or key not in keep:
+            if (keep is None or key not in keep) and (dtypes is None or key[1] not in dtypes):
                 del self._prepared[key]
 
     def prepared_bytes(self) -> int:

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,8 +109,6 @@ class Model:
     def _pass_ms(self, plan, rows: int, dtype: torch.dtype) -> float:
         """ms of one forward pass over ``rows`` new tokens after a 32-token context, computed with ``plan``
         (draft precision ``dtype`` when it is not the model's): the timer of the kernel choice."""
-        import time
-
         engine, context = self.engine, 32
         self.adapter.set_kernel_plan(plan, release=False)  # copies of the other candidates stay until chosen
         if getattr(self, "_timing_cache", None) is None or self._timing_cache.capacity < context + rows:
