@@ -44,13 +44,14 @@ VOCAB = len(SPECIALS) + len(CHARS)
 def isolated_cache(tmp_path_factory):
     """Point ``SELFSPEC_CACHE`` at a session temp dir, so tests never write the user's cache.
 
-    The converted real-model checkpoints (``models/``, ``gguf/``) are linked from the
-    user's cache, so that they are converted once ever rather than once per session;
+    The converted real-model checkpoints (``models/``, ``gguf/``), the GGUF metadata
+    (``gguf-meta/``) and the compiled kernels (``native/``) are linked from the user's
+    cache, so that they are made once ever rather than once per session;
     cost profiles are copied (tests may rewrite them), so that they are not re-measured.
     """
     user = Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec"))
     cache = tmp_path_factory.mktemp("selfspec-cache")
-    for name in ("models", "gguf"):
+    for name in ("models", "gguf", "gguf-meta", "native"):
         (user / name).mkdir(parents=True, exist_ok=True)
         (cache / name).symlink_to(user / name, target_is_directory=True)
     if (user / "profiles").is_dir():
@@ -124,6 +125,12 @@ def tiny_llama() -> selfspec.Model:
 @pytest.fixture(scope="session")
 def smollm2() -> selfspec.Model:
     return selfspec.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32() -> selfspec.Model:
+    """SmolLM2 dequantised to fp32 (the kernel layer's products, which quantised weights bypass)."""
+    return selfspec.load("smollm2-135m", quantize="none")
 
 
 @pytest.fixture(scope="session")

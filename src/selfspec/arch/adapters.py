@@ -66,15 +66,24 @@ class LlamaAdapter:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        return int(weight.shape[0] if weight is not None else head.out_features)  # quantised heads have no weight
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return next(self.model.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.get_input_embeddings().weight.dtype
+        """The dtype of the hidden states (the embedding's; float32 where the embedding is quantised)."""
+        weight = getattr(self.model.get_input_embeddings(), "weight", None)
+        return torch.float32 if weight is None else weight.dtype
+
+    @property
+    def low_precision_drafts(self) -> bool:
+        """Whether draft passes can switch to fp16/bf16 weight copies (not where every linear is quantised)."""
+        return bool(self.linears)
 
     def _sliding_windows(self) -> list[int | None]:
         """Per layer: the sliding attention window W (attend to the last W positions) or None."""

@@ -57,6 +57,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--kernels", default="auto", choices=("auto", "torch"),
                    help="linear kernels of our engine: measured fastest here (auto, default) or torch's own")
+    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="weights: auto keeps a GGUF's quantised types (default), none dequantises to --dtype, "
+                        "int8/int4 quantise the linear layers (weight-only, CPU)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", help="xsum, humaneval, mtbench or PATH.jsonl (default xsum)")
     src.add_argument("--stream", help="domain-shift stream: comma-separated datasets, e.g. xsum,humaneval,mtbench")
@@ -102,6 +105,8 @@ def _command_line(args: argparse.Namespace) -> str:
         argv += ["--dtype", args.dtype]
     if args.kernels != "auto":
         argv += ["--kernels", args.kernels]
+    if args.quantize != "auto":
+        argv += ["--quantize", args.quantize]
     if args.llama_cpp:
         argv += ["--llama-cpp", args.llama_cpp]
     return shlex.join(argv)
@@ -140,7 +145,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 def _load_model(args: argparse.Namespace):
     from ..model.models import load
 
-    return load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+    return load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

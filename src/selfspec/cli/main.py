@@ -26,6 +26,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--kernels", default="auto", choices=("auto", "torch"),
                    help="linear kernels: measured fastest on this machine (auto, default) or torch's own")
+    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "int4"),
+                   help="weights: auto keeps a GGUF's quantised types (default), none dequantises to --dtype, "
+                        "int8/int4 quantise the linear layers of any model (weight-only, CPU)")
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -205,7 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = _sampling_kwargs(args)
     text = _read_prompt_text(args)
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
     prompt = _as_prompt(text, args, model)
     session = Session(model, args.method, **options)
     if args.compare:
@@ -284,7 +287,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     draft = {k: getattr(args, k) for k in ("max_draft", "draft_length", "gamma") if getattr(args, k) is not None}
     build_policies("static", {"skip_set": SkipSet(), **draft})  # draft options checked before the (slow) model load
     load_prompts(args.dataset, limit=1, chat=False)  # unknown dataset: fail before loading the model
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
     prompts = load_prompts(args.dataset, limit=args.limit, chat=model.has_chat_template, offset=args.offset)
     calibration = {"dataset": args.dataset, "offset": args.offset, "limit": args.limit}
     result = search_skip_set(
@@ -323,7 +326,7 @@ def cmd_train_s3d(args: argparse.Namespace) -> int:
         except ValueError:
             raise InvalidInputError(f"--skip must look like FROM-TO (e.g. 8-22), got {args.skip!r}") from None
         skip = (lo, hi + 1)
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
     if skip is None:
         config = S3DConfig.default(model.num_layers, args.gamma)
         config = S3DConfig(config.skip_from, config.skip_to, args.gamma, args.rank)
@@ -363,14 +366,25 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         from ..core.kernel_plan import forget_cached_plans
 
         forget_cached_plans()  # measured afresh while loading
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels)
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
     report = model.kernel_report
     steps = decode_step_ms(model)
     if args.json:
+        extra = {}
+        if model.quantization != "none":
+            from ..core.quant import measure_products
+
+            extra = {"quantization": model.quantization, "quantized_products": measure_products(model.hf)}
         print(json.dumps({**report.to_dict(), "bound_ms": report.bound_ms, "step_ms": steps,
-                          "extra_bytes": model.adapter.kernel_memory()}))  # fmt: skip
+                          "extra_bytes": model.adapter.kernel_memory(), **extra}))  # fmt: skip
         return 0
     print(format_report(report, steps[1] if report.bandwidth_gbs else None))
+    if model.quantization != "none":
+        from ..core.kernel_plan import read_bandwidth_gbs
+        from ..core.quant import format_products, measure_products, quantized_bytes
+
+        print(f"\nweights kept quantised ({model.quantization}): {quantized_bytes(model.hf) / 1e6:.0f} MB")
+        print(format_products(measure_products(model.hf), read_bandwidth_gbs()))
     print("full-model pass over T new tokens (ms): " + ", ".join(f"T={t} {ms:.1f}" for t, ms in steps.items()))
     print(f"prepared weight copies (packed / low precision) in use: {model.adapter.kernel_memory() / 1e6:.0f} MB")
     return 0

@@ -124,6 +124,9 @@ def profile_key(model) -> str:
     cfg = model.hf.config
     shape = f"{cfg.model_type}-{model.num_layers}x{cfg.hidden_size}-v{model.adapter.vocab_size}"
     place = f"{model.adapter.device}-{str(model.adapter.dtype).replace('torch.', '')}-t{torch.get_num_threads()}"
+    quant = getattr(model, "quantization", "none")
+    if quant != "none":
+        place += "-" + "".join(ch if ch.isalnum() else "_" for ch in quant)
     kernels = getattr(getattr(model, "kernel_report", None), "key", "")  # costs follow the kernels chosen
     digest = hashlib.sha1(f"{model.name}|{shape}|{place}|{torch.__version__}|{kernels}".encode()).hexdigest()[:10]
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model.name.split("/")[-1])
@@ -189,6 +192,8 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     gen = random.Random(0)
 
     precisions = {n: d for n, d in PRECISIONS.items() if d is None or d != model.adapter.dtype}
+    if not model.adapter.low_precision_drafts:  # quantised weights: a draft computes as the full pass does
+        precisions = {"same": None}
     agreement = {"same": 1.0}
     for name, dtype in precisions.items():
         if dtype is not None:

@@ -95,7 +95,7 @@ def prefill(
     cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_nodes)
     out: list[SublayerCosine] = []
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
-    logits = engine.forward(cache, ids, 0, last_only=True, cosine_out=out if cosine else None)
+    logits = engine.forward(cache, ids, 0, last_only=True, cosine_out=out if cosine else None, prefill=True)
     check_finite(logits[-1], "prefill")
     cache.commit(len(prompt_ids))
     return Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), out[0] if out else None, logits[-1])

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
-from ..core import kernels
+from ..core import kernels, quant
 from ..core.cache import KVCache
 from ..core.skipset import NO_SKIP, SkipSet
 
@@ -58,6 +58,7 @@ class Engine:
         precision: torch.dtype | None = None,
         input_embeds: torch.Tensor | None = None,
         adapters: dict | None = None,
+        prefill: bool = False,
     ) -> torch.Tensor:
         """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
 
@@ -73,7 +74,16 @@ class Engine:
         mask tokens); ``adapters`` (drafts only) switches on low-rank updates of
         linear layers (see :func:`selfspec.core.kernels.draft_adapters`).
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
+        ``prefill`` (the prompt, which every method passes alike) lets quantised products of many rows take a
+        faster path whose rows are not bit-equal to one-token products (see :func:`selfspec.core.quant.bulk_rows`).
         """
+        if prefill:
+            with quant.bulk_rows():
+                return self.forward(
+                    cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only,
+                    cosine_out=cosine_out, visible=visible, precision=precision, input_embeds=input_embeds,
+                    adapters=adapters,
+                )  # fmt: skip
         if precision is not None or adapters is not None:
             with kernels.draft_precision(precision), kernels.draft_adapters(adapters):
                 return self.forward(

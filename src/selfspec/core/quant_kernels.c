@@ -1,0 +1,175 @@
+/* selfspec's kernels for weights kept quantised (see quant.py, which builds and loads this file).
+ *
+ * Two storage formats cover the GGUF types we keep quantised; both decode a weight exactly as
+ * w = scale[group] * q + min[group], the way the GGUF reference dequantiser does:
+ *   q4: 4-bit codes, groups of 32; per group 16 bytes, byte j holds element j (low nibble) and
+ *       element j + 16 (high nibble).  Q4_0, Q4_1, Q4_K.
+ *   q8: one signed byte per code, groups of G (16 or 32).  Q8_0, Q5_0, Q5_1, Q5_K, Q6_K.
+ * Products y[t, n] = sum_k x[t, k] * w[n, k] decode 16 weights at a time into fp32 and accumulate
+ * 16 lanes per row with explicit fmaf; each output row is computed in the same order whatever the
+ * number of rows T, so a token's logits do not depend on how many tokens share the pass (greedy
+ * speculative decoding stays token-identical to one-token decoding).  Threads: OpenMP, which is
+ * torch's own pool on Linux builds (the library is loaded after torch, whose libgomp it reuses).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define LANES 16
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vec;
+static inline vec v_zero(void) { return _mm512_setzero_ps(); }
+static inline vec v_set1(float a) { return _mm512_set1_ps(a); }
+static inline vec v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec v_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void v_store(float *p, vec a) { _mm512_storeu_ps(p, a); }
+static inline vec v_u8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+static inline vec v_i8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+/* the 16 low and 16 high nibbles of 16 bytes as floats */
+static inline void v_nibbles(const uint8_t *c, vec *lo, vec *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)c), mask = _mm_set1_epi8(15);
+    *lo = v_u8(_mm_and_si128(b, mask));
+    *hi = v_u8(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+}
+static inline vec v_bytes(const int8_t *c) { return v_i8(_mm_loadu_si128((const __m128i *)c)); }
+#else
+/* portable fallback: 16 lanes as a plain struct, explicit fmaf (no reordering) */
+typedef struct { float f[LANES]; } vec;
+static inline vec v_zero(void) { vec r; for (int j = 0; j < LANES; j++) r.f[j] = 0.0f; return r; }
+static inline vec v_set1(float a) { vec r; for (int j = 0; j < LANES; j++) r.f[j] = a; return r; }
+static inline vec v_load(const float *p) { vec r; for (int j = 0; j < LANES; j++) r.f[j] = p[j]; return r; }
+static inline vec v_fma(vec a, vec b, vec c) {
+    vec r; for (int j = 0; j < LANES; j++) r.f[j] = fmaf(a.f[j], b.f[j], c.f[j]); return r;
+}
+static inline void v_store(float *p, vec a) { for (int j = 0; j < LANES; j++) p[j] = a.f[j]; }
+static inline void v_nibbles(const uint8_t *c, vec *lo, vec *hi) {
+    for (int j = 0; j < LANES; j++) { lo->f[j] = (float)(c[j] & 15); hi->f[j] = (float)(c[j] >> 4); }
+}
+static inline vec v_bytes(const int8_t *c) { vec r; for (int j = 0; j < LANES; j++) r.f[j] = (float)c[j]; return r; }
+#endif
+
+static inline float v_sum2(vec a, vec b) {
+    float ta[LANES], tb[LANES], s = 0.0f;
+    v_store(ta, a);
+    v_store(tb, b);
+    for (int j = 0; j < LANES; j++) s += ta[j] + tb[j];  /* one fixed order */
+    return s;
+}
+
+/* Weights 16*chunk .. 16*chunk+15 of one row, decoded. */
+static inline void decode_q4(const uint8_t *codes, const float *scale, const float *minv, long group, vec *w0,
+                             vec *w1) {
+    vec lo, hi;
+    v_nibbles(codes + group * 16, &lo, &hi);
+    const vec s = v_set1(scale[group]), m = v_set1(minv[group]);
+    *w0 = v_fma(s, lo, m);
+    *w1 = v_fma(s, hi, m);
+}
+
+static inline vec decode_q8(const int8_t *codes, const float *scale, const float *minv, int group_shift,
+                            long chunk) {
+    const long g = chunk >> group_shift;  /* groups of 16 << group_shift weights */
+    return v_fma(v_set1(scale[g]), v_bytes(codes + chunk * LANES), v_set1(minv ? minv[g] : 0.0f));
+}
+
+/* One output row for NB (1..8, a constant after inlining) rows of x at once.  Each row of x keeps two
+ * accumulators (the low and high 16 weights of a group of 32), added in a fixed order at the end: the same
+ * arithmetic for every NB, so a row's result does not depend on how many rows share the call. */
+static inline __attribute__((always_inline)) void row_q4(int NB, long K, const float *x, float *y, long ldy,
+                                                         const uint8_t *codes, const float *scale,
+                                                         const float *minv) {
+    vec acc0[8], acc1[8];
+    for (int t = 0; t < 8; t++) acc0[t] = acc1[t] = v_zero();
+    for (long g = 0; g < K / 32; g++) {
+        vec w0, w1;
+        decode_q4(codes, scale, minv, g, &w0, &w1);
+        for (int t = 0; t < NB; t++) {
+            const float *xg = x + t * K + g * 32;
+            acc0[t] = v_fma(w0, v_load(xg), acc0[t]);
+            acc1[t] = v_fma(w1, v_load(xg + LANES), acc1[t]);
+        }
+    }
+    for (int t = 0; t < NB; t++) y[t * ldy] = v_sum2(acc0[t], acc1[t]);
+}
+
+static inline __attribute__((always_inline)) void row_q8(int NB, long K, const float *x, float *y, long ldy,
+                                                         const int8_t *codes, const float *scale,
+                                                         const float *minv, int group_shift) {
+    vec acc0[8], acc1[8];
+    for (int t = 0; t < 8; t++) acc0[t] = acc1[t] = v_zero();
+    for (long c = 0; c < K / LANES; c += 2) {  /* K is a multiple of 32 */
+        const vec w0 = decode_q8(codes, scale, minv, group_shift, c);
+        const vec w1 = decode_q8(codes, scale, minv, group_shift, c + 1);
+        for (int t = 0; t < NB; t++) {
+            const float *xc = x + t * K + c * LANES;
+            acc0[t] = v_fma(w0, v_load(xc), acc0[t]);
+            acc1[t] = v_fma(w1, v_load(xc + LANES), acc1[t]);
+        }
+    }
+    for (int t = 0; t < NB; t++) y[t * ldy] = v_sum2(acc0[t], acc1[t]);
+}
+
+#define ROW_BLOCKS(ROW, ...)                                                            \
+    long t = 0;                                                                         \
+    for (; t + 8 <= T; t += 8) ROW(8, K, x + t * K, y + t * N + n, N, __VA_ARGS__);     \
+    switch (T - t) {                                                                    \
+        case 7: ROW(7, K, x + t * K, y + t * N + n, N, __VA_ARGS__); break;             \
+        case 6: ROW(6, K, x + t * K, y + t * N + n, N, __VA_ARGS__); break;             \
+        case 5: ROW(5, K, x + t * K, y + t * N + n, N, __VA_ARGS__); break;             \
+        case 4: ROW(4, K, x + t * K, y + t * N + n, N, __VA_ARGS__); break;             \
+        case 3: ROW(3, K, x + t * K, y + t * N + n, N, __VA_ARGS__); break;             \
+        case 2: ROW(2, K, x + t * K, y + t * N + n, N, __VA_ARGS__); break;             \
+        case 1: ROW(1, K, x + t * K, y + t * N + n, N, __VA_ARGS__); break;             \
+        default: break;                                                                 \
+    }
+
+/* y [T, N] = x [T, K] @ W.T for W [N, K] in q4; K a multiple of 32. */
+void selfspec_linear_q4(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
+                        const float *minv, float *y) {
+    const long groups = K / 32;
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        ROW_BLOCKS(row_q4, codes + n * groups * 16, scale + n * groups, minv + n * groups)
+    }
+}
+
+/* y [T, N] = x [T, K] @ W.T for W [N, K] in q8 with groups of G (16 or 32); K a multiple of 32; minv may be
+ * NULL. */
+void selfspec_linear_q8(long T, long N, long K, long G, const float *x, const int8_t *codes,
+                        const float *scale, const float *minv, float *y) {
+    const long groups = K / G;
+    const int group_shift = (int)(G == 32);
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        ROW_BLOCKS(row_q8, codes + n * K, scale + n * groups, minv ? minv + n * groups : 0, group_shift)
+    }
+}
+
+/* out [R, K] = the rows idx[0..R) of W, decoded (embedding lookups, prefill tiles, tests). */
+void selfspec_rows_q4(long R, const int64_t *idx, long K, const uint8_t *codes, const float *scale,
+                      const float *minv, float *out) {
+    const long groups = K / 32;
+#pragma omp parallel for schedule(static) if (R > 16)
+    for (long r = 0; r < R; r++) {
+        const long n = idx[r];
+        for (long g = 0; g < groups; g++) {
+            vec w0, w1;
+            decode_q4(codes + n * groups * 16, scale + n * groups, minv + n * groups, g, &w0, &w1);
+            v_store(out + r * K + g * 32, w0);
+            v_store(out + r * K + g * 32 + LANES, w1);
+        }
+    }
+}
+
+void selfspec_rows_q8(long R, const int64_t *idx, long K, long G, const int8_t *codes, const float *scale,
+                      const float *minv, float *out) {
+    const long groups = K / G;
+#pragma omp parallel for schedule(static) if (R > 16)
+    for (long r = 0; r < R; r++) {
+        const long n = idx[r];
+        for (long c = 0; c < K / LANES; c++)
+            v_store(out + r * K + c * LANES,
+                    decode_q8(codes + n * K, scale + n * groups, minv ? minv + n * groups : 0, (int)(G == 32), c));
+    }
+}

@@ -1,0 +1,192 @@
+"""Quantised weights: exact repacks of every supported GGUF type, the kernels' products, the GGUF loader's
+errors and warnings, weight-only int8/int4 of HF models, and lossless decoding on quantised models."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+import selfspec
+from selfspec.arch.gguf import _raw, _read_tensors
+from selfspec.core.quant import (
+    PREFILL_ROWS,
+    REPACKED_TYPES,
+    QuantLinear,
+    from_gguf,
+    quantize_linears,
+    quantize_weight,
+)
+from selfspec.errors import InvalidInputError, SelfspecError
+from selfspec.model.models import BUILTINS, _builtin_gguf
+
+# byte offsets of the fp16 fields of each block type (random bytes there could be NaN or inf)
+FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+               "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82]}  # fmt: skip
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 2e-2) -> np.ndarray:
+    """Valid random GGUF data of type ``kind`` for a [rows, cols] weight: any bit pattern is a valid code;
+    the fp16 scales are set to finite values of realistic size."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for off in FP16_FIELDS[kind]:
+        values = rng.uniform(scale / 200, scale, size=(len(blocks), 1)).astype(np.float16)
+        blocks[:, off : off + 2] = values.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", REPACKED_TYPES)
+def test_repack_decodes_bit_for_bit_as_gguf(kind):
+    rows, cols = 8, 512
+    data = random_blocks(kind, rows, cols)
+    qw = from_gguf(kind, data, rows, cols)
+    ref = gguf.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(rows, cols)
+    assert np.array_equal(qw.dequantize().numpy(), ref)
+
+
+@pytest.mark.parametrize("name", list(BUILTINS))
+def test_real_tensors_of_the_builtin_files_decode_exactly(name):
+    """Each tensor type of the built-in GGUF files (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K), on its real data."""
+    path = _builtin_gguf(BUILTINS[name])
+    _, tensors = _read_tensors(path)
+    seen = set()
+    with path.open("rb") as f:
+        for tensor_name, kind, shape, offset, nbytes in tensors:
+            if kind in seen or len(shape) != 2:
+                continue
+            seen.add(kind)
+            raw = _raw(f, offset, nbytes).reshape(shape[1], -1)
+            qw = from_gguf(kind, raw, shape[1], shape[0])
+            rows = min(shape[1], 2048)
+            ref = gguf.dequantize(raw[:rows], gguf.GGMLQuantizationType[kind]).reshape(rows, shape[0])
+            assert np.array_equal(qw.rows(torch.arange(rows)).numpy(), ref), (tensor_name, kind)
+    assert seen & set(REPACKED_TYPES)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, PREFILL_ROWS + 5])
+def test_product_matches_the_dequantised_weight(kind, rows):
+    data = random_blocks(kind, 96, 768, seed=rows)
+    qw = from_gguf(kind, data, 96, 768)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ qw.dequantize().double().T
+    got = qw.matmul(x).double()
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind):
+    """What keeps speculative decoding lossless: a verified token's logits equal a one-token step's."""
+    qw = from_gguf(kind, random_blocks(kind, 64, 768), 64, 768)
+    x = torch.randn(13, 768, generator=torch.Generator().manual_seed(2))
+    together = qw.matmul(x)
+    for i in range(13):
+        assert torch.equal(qw.matmul(x[i : i + 1].contiguous())[0], together[i])
+
+
+def test_rows_outside_the_table_are_refused():
+    qw = from_gguf("Q8_0", random_blocks("Q8_0", 4, 64), 4, 64)
+    with pytest.raises(IndexError):
+        qw.rows(torch.tensor([4]))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weight_only_quantisation_error_is_within_half_a_step(bits):
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(3))
+    qw = quantize_weight(w, bits)
+    err = (qw.dequantize() - w).abs().reshape(48, 8, 32).amax(-1)
+    assert torch.all(err <= qw.scale * 0.5 + 1e-6)
+
+
+def test_quantised_linear_passes_gradients_to_its_input():
+    layer = QuantLinear(quantize_weight(torch.randn(16, 64), 8))
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and torch.allclose(x.grad[0], layer.qweight.dequantize().sum(0), atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int_quantised_tiny_model_decodes_losslessly(bits):
+    model = tiny_model("llama", seed=5)
+    assert quantize_linears(model.hf, bits) > 0
+    model = selfspec.model_from_hf(model.hf, model.tokenizer, name=f"tiny-int{bits}")
+    assert model.quantization == "custom"
+    base = selfspec.generate(model, "Hello there, how are", "vanilla", max_new_tokens=24)
+    for method in ("swift", "asd"):
+        assert selfspec.generate(model, "Hello there, how are", method, max_new_tokens=24).token_ids == base.token_ids
+
+
+def test_quantised_weights_refuse_other_devices_and_dtypes():
+    with pytest.raises(InvalidInputError, match="quantize none"):
+        selfspec.load("smollm2-135m", dtype="bfloat16")
+    with pytest.raises(InvalidInputError, match="quantize"):
+        selfspec.load("smollm2-135m", quantize="int3")
+
+
+def _copy_with_tensor_type(src, dst, tensor: str, kind: str) -> None:
+    """Copy a GGUF file, declaring ``tensor`` to be of type ``kind`` and filling it with valid random data of
+    that type (smaller than the original, so it fits where the original was)."""
+    shutil.copyfile(src, dst)
+    _, tensors = _read_tensors(dst)
+    _, _, shape, offset, _ = next(t for t in tensors if t[0] == tensor)
+    with open(dst, "r+b") as f:
+        head = f.read(64 << 20)
+        key = tensor.encode()
+        at = head.find(struct.pack("<Q", len(key)) + key)
+        assert at > 0
+        pos = at + 8 + len(key)
+        (n_dims,) = struct.unpack_from("<I", head, pos)
+        f.seek(pos + 4 + 8 * n_dims)
+        f.write(struct.pack("<I", int(gguf.GGMLQuantizationType[kind])))
+        f.seek(offset)
+        f.write(random_blocks(kind, shape[1], shape[0], scale=2e-3).tobytes())
+
+
+def test_unsupported_tensor_type_is_dequantised_with_a_warning(tmp_path):
+    path = tmp_path / "smollm2-q2k.gguf"
+    _copy_with_tensor_type(_builtin_gguf(BUILTINS["smollm2-135m"]), path, "blk.3.ffn_down.weight", "Q2_K")
+    with pytest.warns(UserWarning, match=r"Q2_K \(1 tensors\).*dequantised"):
+        model = selfspec.load(str(path))
+    down = model.hf.model.layers[3].mlp.down_proj
+    assert isinstance(down, torch.nn.Linear) and not isinstance(down, QuantLinear)
+    assert selfspec.generate(model, "One two three", "vanilla", max_new_tokens=4).token_ids
+
+
+def test_truncated_and_foreign_gguf_files_get_clear_errors(tmp_path):
+    src = _builtin_gguf(BUILTINS["smollm2-135m"])
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    with pytest.raises(SelfspecError, match="truncated"):
+        selfspec.load(str(cut))
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(src.read_bytes()[:4096])
+    with pytest.raises(SelfspecError, match="corrupt or truncated"):
+        selfspec.load(str(header_only))
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(SelfspecError, match="not a GGUF file"):
+        selfspec.load(str(foreign))
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_builtin_models_stay_quantised(name, request):
+    model = request.getfixturevalue(name)
+    assert model.quantization.startswith("gguf:")
+    assert not any(type(m) is torch.nn.Linear for m in model.hf.modules())
+
+
+def test_quantised_logits_are_the_dequantised_models_within_rounding(smollm2, smollm2_fp32):
+    """Same weights, two ways: the quantised kernels against the fp32 checkpoint converted by transformers."""
+    ids = torch.tensor([smollm2.encode("The quick brown fox jumps over the lazy dog. It was")])
+    with torch.inference_mode():
+        ours, ref = smollm2.hf(ids).logits[0], smollm2_fp32.hf(ids).logits[0]
+    assert (ours - ref).abs().max() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
