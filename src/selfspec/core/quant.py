@@ -51,6 +51,7 @@ from torch import nn
 
 from ..errors import SelfspecError
 from ..io import cache_dir
+from . import kernels
 
 SOURCE = Path(__file__).with_name("quant_kernels.c")
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
@@ -353,8 +354,8 @@ def quantize_weight(weight: torch.Tensor, bits: int) -> QuantWeight:
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight stays quantised.  Draft passes compute with it as it is (there is no
-    cheaper copy to switch to); under autograd the weight is decoded for ``F.linear`` so gradients reach the
-    input (S3D's training)."""
+    cheaper copy to switch to), adding S3D's draft-only low-rank updates where they are on; under autograd
+    the weight is decoded for ``F.linear`` so gradients reach the input (S3D's training)."""
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -370,7 +371,12 @@ class QuantLinear(nn.Module):
         y = self.qweight.matmul(x2)
         if self.bias is not None:
             y += self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        adapters = kernels.active_draft_adapters()
+        if adapters is not None and self in adapters:
+            a, b, scale = adapters[self]
+            y = y + scale * F.linear(F.linear(x.to(a.dtype), a), b).to(y.dtype)
+        return y
 
     def extra_repr(self) -> str:
         w = self.qweight

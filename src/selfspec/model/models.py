@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,7 +190,7 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
         raise InvalidInputError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
     _quiet_transformers()
     gguf_file, key, hf_dir, source = _resolve(name)
-    if gguf_file is not None and quantize == "auto":
+    if gguf_file is not None and quantize == "auto" and _native_kernels():
         _check_quantized_place(dev, torch_dtype, "a GGUF's quantised weights", "--quantize none")
         from ..arch.gguf import load_quantized
 
@@ -237,6 +238,18 @@ def _resolve(name: str):
     raise ModelNotFoundError(
         f"unknown model '{name}': not a built-in name ({', '.join(BUILTINS)}), a local path, or a hub id"
     )
+
+
+def _native_kernels() -> bool:
+    """Whether the quantised kernels are built (or can be); if not, say why once and dequantise instead."""
+    from ..core.quant import NativeUnavailable, native
+
+    try:
+        native()
+        return True
+    except NativeUnavailable as exc:
+        warnings.warn(f"{exc}; GGUF weights are dequantised to fp32 instead (more memory, slower)", stacklevel=3)
+        return False
 
 
 def _check_quantized_place(dev: torch.device, dtype: torch.dtype, what: str, instead: str) -> None:
