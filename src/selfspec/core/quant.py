@@ -189,15 +189,21 @@ class QuantWeight:
         if rows >= PREFILL_ROWS and _BULK.get():
             return self._tiled(x)
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        lib = native()
-        if self.fmt == "q4":
-            lib.selfspec_linear_q4(rows, self.out_features, self.in_features, x.data_ptr(), self.codes.data_ptr(),
-                                   self.scale.data_ptr(), _ptr(self.minv), y.data_ptr())  # fmt: skip
-        else:
-            lib.selfspec_linear_q8(rows, self.out_features, self.in_features, self.group, x.data_ptr(),
-                                   self.codes.data_ptr(), self.scale.data_ptr(), _ptr(self.minv),
-                                   y.data_ptr())  # fmt: skip
+        self.product_into(rows, x.data_ptr(), y.data_ptr())
         return y
+
+    def product_into(self, rows: int, x_ptr: int, y_ptr: int) -> None:
+        """The kernel call on raw pointers (``x`` [rows, in], ``y`` [rows, out], fp32, contiguous); the constant
+        arguments are bound once, since a decoding step makes a few hundred of these calls."""
+        bound = self.__dict__.get("_bound")
+        if bound is None:
+            lib = native()
+            fn = lib.selfspec_linear_q4 if self.fmt == "q4" else lib.selfspec_linear_q8
+            shape = (self.out_features, self.in_features) + (() if self.fmt == "q4" else (self.group,))
+            bound = self.__dict__["_bound"] = (fn, shape, (self.codes.data_ptr(), self.scale.data_ptr(),
+                                                           _ptr(self.minv)))  # fmt: skip
+        fn, shape, weights = bound
+        fn(rows, *shape, x_ptr, *weights, y_ptr)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
@@ -366,6 +372,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return F.linear(x, self.qweight.dequantize().to(x.dtype), self.bias)
+        if (self.bias is None and x.dtype == torch.float32 and x.is_contiguous() and x.shape[-1] == self.in_features
+                and x.numel() < PREFILL_ROWS * self.in_features and kernels.active_draft_adapters() is None):
+            # the decoding step's common case, with as little Python as possible around the kernel
+            y = x.new_empty(*x.shape[:-1], self.out_features)
+            self.qweight.product_into(x.numel() // self.in_features, x.data_ptr(), y.data_ptr())
+            return y
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.float32).contiguous()
         y = self.qweight.matmul(x2)
