@@ -189,7 +189,6 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     quantised: dict[str, QuantWeight] = {}
     with path.open("rb") as f:
         for name, kind, shape, offset, nbytes in tensors:
-            raw = _raw(f, offset, nbytes)
             hf_name = name_map.get(name)
             if hf_name is None:
                 continue
@@ -197,7 +196,7 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
             module = hf.get_submodule(module_path)
             qw = None
             if attr == "weight" and len(shape) == 2 and _quantisable(module):
-                qw = from_gguf(kind, raw.reshape(shape[1], -1), shape[1], shape[0])
+                qw = from_gguf(kind, (f, offset), shape[1], shape[0])
                 if qw is not None:
                     perm = _row_permutation(processor, name, shape[1], name_map)
                     if perm is None:
@@ -210,6 +209,7 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                 continue
             if len(shape) == 2 and kind not in ("F32", "F16", "BF16"):
                 summary["dequantized"][kind] = summary["dequantized"].get(kind, 0) + 1
+            raw = _raw(f, offset, nbytes)
             values = processor.process(weights=_dequantized(kind, raw, shape), name=name, tensor_key_mapping=name_map,
                                        parsed_parameters={"tensors": {}}).weights  # fmt: skip
             module._parameters[attr] = nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)),

@@ -311,26 +311,57 @@ def _repack(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.nda
 REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
-def from_gguf(kind: str, data: np.ndarray, out_features: int, in_features: int) -> QuantWeight | None:
-    """The repack of a GGUF tensor of type ``kind`` (raw blocks ``data``, ``[out, row bytes]``), or None when
-    ``kind`` has no repack (the caller dequantises it)."""
+CHUNK_BYTES = 8 << 20  # raw GGUF bytes repacked at a time (keeps the load's transient memory small)
+
+
+def from_gguf(kind: str, data, out_features: int, in_features: int) -> QuantWeight | None:
+    """The repack of a GGUF tensor of type ``kind``, or None when ``kind`` has no repack (the caller dequantises
+    it).  ``data``: the raw blocks as an array ``[out, row bytes]``, or ``(file, offset)`` to read them from
+    an open file a few megabytes at a time."""
     if kind not in REPACKED_TYPES or in_features % 32:
         return None
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
-    blocks = np.ascontiguousarray(data).reshape(-1, size)
-    if blocks.shape[0] * block != out_features * in_features:
-        raise SelfspecError(f"{kind} tensor of {blocks.shape[0]} blocks does not hold {out_features}x{in_features}")
-    fmt, group, codes, scale, minv = _repack(kind, blocks)
+    row_bytes = in_features // block * size
+    read = _chunk_reader(data, row_bytes, out_features)
     n = out_features
-    return QuantWeight(
-        fmt, out_features, in_features, group,
-        torch.from_numpy(np.ascontiguousarray(codes).reshape(n, -1)),
-        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, -1)),
-        None if minv is None else torch.from_numpy(np.ascontiguousarray(minv, dtype=np.float32).reshape(n, -1)),
-        kind,
-    )  # fmt: skip
+    codes = scale = minv = None
+    fmt = ""
+    group = 0
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for r0 in range(0, n, step):
+        rows = min(step, n - r0)
+        fmt, group, c, sc, mn = _repack(kind, read(r0, rows).reshape(-1, size))
+        if codes is None:  # the outputs, allocated once
+            codes = np.empty((n, c.size // rows), dtype=c.dtype)
+            scale = np.empty((n, sc.size // rows), dtype=np.float32)
+            minv = None if mn is None else np.empty((n, mn.size // rows), dtype=np.float32)
+        codes[r0 : r0 + rows] = c.reshape(rows, -1)
+        scale[r0 : r0 + rows] = sc.reshape(rows, -1)
+        if minv is not None:
+            minv[r0 : r0 + rows] = mn.reshape(rows, -1)
+    return QuantWeight(fmt, out_features, in_features, group, torch.from_numpy(codes), torch.from_numpy(scale),
+                       None if minv is None else torch.from_numpy(minv), kind)  # fmt: skip
+
+
+def _chunk_reader(data, row_bytes: int, rows: int):
+    """``read(first_row, count)`` -> raw bytes of those rows, from an array or an open file."""
+    if isinstance(data, tuple):
+        f, offset = data
+
+        def read_file(r0: int, count: int) -> np.ndarray:
+            f.seek(offset + r0 * row_bytes)
+            buf = np.empty(count * row_bytes, dtype=np.uint8)
+            if f.readinto(memoryview(buf)) != buf.size:
+                raise SelfspecError(f"GGUF file {getattr(f, 'name', '')} is truncated")
+            return buf
+
+        return read_file
+    array = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    if array.size != rows * row_bytes:
+        raise SelfspecError(f"tensor of {array.size} bytes does not hold {rows} rows of {row_bytes} bytes")
+    return lambda r0, count: array[r0 * row_bytes : (r0 + count) * row_bytes]
 
 
 def quantize_weight(weight: torch.Tensor, bits: int) -> QuantWeight:

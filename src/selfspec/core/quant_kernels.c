@@ -49,6 +49,10 @@ static inline void v_nibbles(const uint8_t *c, vec *lo, vec *hi) {
 static inline vec v_bytes(const int8_t *c) { vec r; for (int j = 0; j < LANES; j++) r.f[j] = (float)c[j]; return r; }
 #endif
 
+#if defined(__AVX512F__)
+/* a fixed shuffle tree (the same instructions, hence the same rounding, for every row and every T) */
+static inline float v_sum2(vec a, vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+#else
 static inline float v_sum2(vec a, vec b) {
     float ta[LANES], tb[LANES], s = 0.0f;
     v_store(ta, a);
@@ -56,6 +60,7 @@ static inline float v_sum2(vec a, vec b) {
     for (int j = 0; j < LANES; j++) s += ta[j] + tb[j];  /* one fixed order */
     return s;
 }
+#endif
 
 /* Weights 16*chunk .. 16*chunk+15 of one row, decoded. */
 static inline void decode_q4(const uint8_t *codes, const float *scale, const float *minv, long group, vec *w0,
