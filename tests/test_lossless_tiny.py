@@ -32,6 +32,8 @@ def test_vanilla_matches_transformers_generate(tiny):
         ("static", {"skip_set": {"attention": [1, 2, 3], "mlp": [2, 4]}}),
         ("static", {"skip_set": {"attention": [0, 1, 2, 3, 4], "mlp": [0, 1, 2, 3, 4]}, "max_draft": 5}),
         ("static", {"skip_set": {"attention": [], "mlp": []}, "draft_length": 4}),  # draft == full model
+        ("pld", {"draft_length": 3}),
+        ("pld", {"max_ngram": 2, "min_ngram": 1, "draft_length": 1}),
     ],
 )
 def test_speculative_equals_vanilla(tiny, method, options):

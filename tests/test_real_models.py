@@ -30,6 +30,7 @@ METHODS = [
     ("asd", {"alpha": 0.999, "m": 5}),
     ("asd", {"variant": "r1+r2", "m": 4, "draft_length": 6}),
     ("static", {"skip_set": {"attention": [3, 6, 9, 12, 15, 18, 21], "mlp": [4, 8, 12, 16, 20]}}),
+    ("pld", {}),  # drafts copied from the history, length priced with measured costs
 ]
 
 
@@ -52,7 +53,8 @@ def test_gemma3_long_prompt_all_methods_identical(gemma3):
     assert len(ids) > 600
     base = selfspec.generate(gemma3, item.prompt, "vanilla", max_new_tokens=32)
     assert list(base.token_ids) == hf_greedy(gemma3, ids, 32)
-    for method, options in [("asd", {}), ("static", {"skip_set": {"attention": [2, 5, 8, 11], "mlp": [3, 9]}})]:
+    for method, options in [("asd", {}), ("static", {"skip_set": {"attention": [2, 5, 8, 11], "mlp": [3, 9]}}),
+                            ("pld", {"draft_length": 4})]:  # fmt: skip
         out = selfspec.generate(gemma3, item.prompt, method, max_new_tokens=32, **options)
         assert out.token_ids == base.token_ids, (method, options)
 

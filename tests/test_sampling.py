@@ -200,6 +200,7 @@ METHODS = {
                            "draft_dtype": "same"}),  # fmt: skip
     "swift-tree": ("swift", {"schedule": "paper", "epsilon": 0.0, "max_draft": 3, "skip_ratio": 0.3,
                              "draft_dtype": "same", "context_window": 4}),  # fmt: skip
+    "pld": ("pld", {"draft_length": 2, "max_ngram": 1}),  # point-mass drafts looked up in the history
 }
 
 

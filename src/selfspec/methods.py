@@ -183,6 +183,30 @@ METHODS["selfsd"] = MethodSpec(
 )
 
 
+def _pld_drafter(opts: dict[str, Any]):
+    from .drafters.lookup import PromptLookupDrafter
+
+    fixed = opts.get("draft_length")
+    return PromptLookupDrafter(max_ngram=int(opts.get("max_ngram", 3)), min_ngram=int(opts.get("min_ngram", 1)),
+                               max_draft=int(opts.get("max_draft", 10)),
+                               draft_length=None if fixed is None else int(fixed))  # fmt: skip
+
+
+# Prompt lookup: no layer is skipped, no model pass drafts; the draft is copied from the history
+METHODS["pld"] = MethodSpec(
+    "pld",
+    "prompt lookup: the draft is what followed the last n tokens earlier in the prompt or output (no draft pass)",
+    {
+        "max_ngram": "longest n-gram matched (default 3; tried first)",
+        "min_ngram": "shortest n-gram matched (default 1)",
+        "max_draft": "most tokens drafted per round (default 10); the length is priced with measured costs",
+        "draft_length": "draft exactly this many tokens per match instead",
+    },
+    None,
+    _pld_drafter,
+)
+
+
 def build_policies(method: str, options: dict[str, Any]):
     """(skip policy, draft policy) for a method, or (None, None) for vanilla."""
     spec = METHODS.get(method)
@@ -193,10 +217,10 @@ def build_policies(method: str, options: dict[str, Any]):
     if unknown:
         valid = ", ".join(spec.options) or "none"
         raise InvalidInputError(f"method '{method}' has no option(s) {', '.join(unknown)}; valid: {valid}")
-    if spec.build_skip_policy is None:
+    if spec.build_skip_policy is None and spec.build_drafter is None:
         return None, None
     try:
-        skip_policy = spec.build_skip_policy(opts)
+        skip_policy = spec.build_skip_policy(opts) if spec.build_skip_policy is not None else None
         drafter = (spec.build_drafter or _chain_drafter)(opts)
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"method '{method}': bad option value: {exc}") from None

@@ -44,6 +44,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                    help="asd/static/selfsd: initial confidence threshold of the adaptive exit (0.6); "
                         "s3d: tokens per draft pass (the adapter's)")
     g.add_argument("--adapter", help="s3d: adapter directory written by `selfspec train-s3d`")
+    g.add_argument("--max-ngram", type=int, help="pld: longest n-gram looked up in the history (3)")
+    g.add_argument("--min-ngram", type=int, help="pld: shortest n-gram looked up (1)")
     g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16"),
                    help="precision of the draft passes' weights (auto: the cheapest that agrees, measured)")
     s = p.add_argument_group("swift options (defaults: the paper's, except where noted)")
@@ -66,6 +68,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 OPTION_NAMES = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
+                "max_ngram", "min_ngram",
                 "adapter", "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
                 "patience", "score_threshold", "budget", "schedule", "epsilon", "tree")  # fmt: skip
 
@@ -99,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with one method (optionally compared with vanilla)")
     _add_model_args(p)
-    p.add_argument("--method", default="asd", help="vanilla, asd, swift, static or selfsd (default asd)")
+    p.add_argument("--method", default="asd", help="vanilla, asd, swift, s3d, static, selfsd or pld (default asd)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")

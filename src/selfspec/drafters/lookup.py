@@ -1,0 +1,140 @@
+"""Prompt-lookup drafting (method ``pld``): the draft is what followed the text's last n tokens the last time
+they occurred, in the prompt or the output so far.
+
+Saxena's prompt lookup decoding (2023; transformers' ``prompt_lookup_num_tokens``) with two changes of ours:
+
+* the draft length is priced: with the full model's measured pass cost over T tokens
+  (:mod:`selfspec.cost.costs`) and the acceptance observed so far for each n-gram size,
+  the drafter proposes the k that maximises expected tokens per unit of cost, and nothing
+  at all where no k is expected to pay (a weak one-token match on a machine where a
+  two-token verification costs 15% more than a step, say);
+* matches are looked up in an index of every n-gram (n = 1..``max_ngram``) of the
+  history, kept up to date as the history grows, so a round costs a few dictionary
+  lookups, not a scan of the history.
+
+No model pass is made to draft, so the drafts cost nothing but verification slots: this
+pays where the output copies its input (summaries, code edits, answers quoting a
+document) and stays out of the way elsewhere.  Greedy output is exactly vanilla's (the
+full model verifies every token); under sampling each drafted token is a draw from a
+point mass, which speculative sampling's rule min(1, p/q) accepts with probability p:
+the output distribution stays exactly the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..core.sampling import SamplingParams
+from ..decoding.protocols import DraftOutcome
+from ..decoding.trees import DraftTree
+from ..errors import InvalidInputError
+
+PRIOR = {1: 0.3, 2: 0.5, 3: 0.6}  # acceptance assumed per n-gram size before any is observed
+PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens
+MIN_GAIN = 1.02  # draft only where the expected tokens per unit cost beat plain decoding by this much
+
+
+class PromptLookupDrafter:
+    """Drafts by n-gram lookup in the token history (see the module docstring)."""
+
+    needs_profile = True  # the draft length is priced with the measured verification costs
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 10,
+                 draft_length: int | None = None) -> None:  # fmt: skip
+        if not 1 <= min_ngram <= max_ngram:
+            raise InvalidInputError(f"pld needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        if max_draft < 1 or (draft_length is not None and draft_length < 1):
+            raise InvalidInputError("pld: max_draft and draft_length must be at least 1")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_draft = draft_length or max_draft
+        self.fixed = draft_length
+        self.max_nodes = 1 + self.max_draft
+        self._index: dict[tuple[int, ...], int] = {}
+        self._history: list[int] = []
+        self._profile = None
+        self._drafted = {n: 0.0 for n in range(1, max_ngram + 1)}
+        self._accepted = {n: 0.0 for n in range(1, max_ngram + 1)}
+        self._last_n = 0
+
+    # -- the Drafter protocol -------------------------------------------------------------------
+    def bind(self, model, skip) -> None:
+        from ..cost.costs import cost_profile
+
+        self._profile = cost_profile(model) if self.fixed is None else None
+        self._index, self._history = {}, []
+
+    def precision(self, model) -> str | None:
+        return None
+
+    def propose(self, history: Sequence[int], *, model, cache, skip, budget: int, sampling: SamplingParams,
+                generator) -> DraftOutcome | None:  # fmt: skip
+        self._update_index(history)
+        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
+            start = self._index.get(tuple(history[-n:]))
+            if start is None:
+                continue
+            k = min(self._length(n), budget, len(history) - start)
+            if k < 1:
+                return None
+            draft = list(history[start : start + k])
+            self._last_n = n
+            q = None if sampling.greedy else self._point_masses(draft, model, cache)
+            tree = DraftTree.chain(int(history[-1]), draft, q)
+            return DraftOutcome(tree, [1.0] * k, {}, k, passes=0)
+        return None
+
+    def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
+                draft_ms: float, verify_ms: float) -> None:  # fmt: skip
+        if outcome is None or not outcome.steps:
+            return
+        n = self._last_n
+        # each drafted token up to the first rejection was tried; the geometric model counts trials and successes
+        tried = min(outcome.steps, len(path))
+        self._drafted[n] += tried
+        self._accepted[n] += len(path) - 1
+
+    # -- internals ------------------------------------------------------------------------------
+    def _update_index(self, history: Sequence[int]) -> None:
+        """Index every n-gram that ends before the last token: n-gram -> where its continuation starts (the
+        latest occurrence wins).  A history that is not a continuation of the indexed one is indexed afresh."""
+        known = len(self._history)
+        if known > len(history) or (known and history[known - 1] != self._history[-1]):
+            self._index, self._history, known = {}, [], 0
+        self._history.extend(history[known:])
+        for end in range(max(1, known), len(history)):  # continuation starts at `end`, which must exist
+            for n in range(1, self.max_ngram + 1):
+                if end - n >= 0:
+                    self._index[tuple(history[end - n : end])] = end
+
+    def acceptance(self, n: int) -> float:
+        """Estimated chance that a token drafted after an n-gram match is accepted."""
+        prior = PRIOR.get(n, 0.6)
+        return (self._accepted[n] + PRIOR_WEIGHT * prior) / (self._drafted[n] + PRIOR_WEIGHT)
+
+    def _length(self, n: int) -> int:
+        """The draft length that maximises expected tokens per unit of cost (0: drafting does not pay)."""
+        if self.fixed is not None:
+            return self.fixed
+        profile = self._profile
+        a = min(self.acceptance(n), 0.99)
+        step = profile.forward(1)
+        best_k, best = 0, MIN_GAIN
+        for k in range(1, self.max_draft + 1):
+            tokens = (1 - a ** (k + 1)) / (1 - a)
+            gain = tokens / (profile.forward(k + 1) / step)
+            if gain > best:
+                best_k, best = k, gain
+        return best_k
+
+    @staticmethod
+    def _point_masses(draft: list[int], model, cache) -> list[torch.Tensor | None]:
+        """Per node, the draft distribution its child was drawn from: a point mass on the looked-up token."""
+        vocab = model.adapter.vocab_size
+        masses: list[torch.Tensor | None] = []
+        for tok in draft:
+            q = torch.zeros(vocab, device=model.engine.device)
+            q[tok] = 1.0
+            masses.append(q)
+        return masses + [None]

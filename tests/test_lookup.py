@@ -1,0 +1,77 @@
+"""Prompt-lookup drafting: what it proposes, when it declines, and how it prices the draft length."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from selfspec.core.sampling import GREEDY
+from selfspec.drafters.lookup import PromptLookupDrafter
+from selfspec.errors import InvalidInputError
+
+
+class FlatProfile:
+    """Verification over T tokens costs ``1 + slope * (T - 1)`` one-token steps."""
+
+    def __init__(self, slope: float) -> None:
+        self.slope = slope
+
+    def forward(self, tokens: int) -> float:
+        return 1.0 + self.slope * (tokens - 1)
+
+
+def drafter(slope: float = 0.05, **kw) -> PromptLookupDrafter:
+    d = PromptLookupDrafter(**kw)
+    d._profile = FlatProfile(slope)
+    return d
+
+
+def propose(d: PromptLookupDrafter, history: list[int], budget: int = 20):
+    return d.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=budget, sampling=GREEDY,
+                     generator=None)  # fmt: skip
+
+
+def test_proposes_what_followed_the_latest_earlier_occurrence():
+    d = drafter(draft_length=3)
+    out = propose(d, [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 7, 9, 1, 2, 3])
+    assert out.tree.tokens == (3, 7, 7, 9)  # root 3, then what followed "1 2 3" the second time
+    assert out.passes == 0 and out.steps == 3
+
+
+def test_longest_match_wins_and_no_match_means_no_draft():
+    d = drafter(draft_length=2)
+    assert propose(d, [5, 6, 7, 8]) is None
+    out = propose(d, [4, 2, 9, 1, 2, 8, 4, 2])  # "4 2" -> 9; "2" alone would give 8
+    assert out.tree.tokens[1:] == (9, 1)
+
+
+def test_the_index_follows_a_growing_history_and_restarts_on_another():
+    d = drafter(draft_length=1)
+    h = [1, 2, 3, 1]
+    assert propose(d, h).tree.tokens[1:] == (2,)
+    h += [2, 5, 1]
+    assert propose(d, h).tree.tokens[1:] == (2,)  # latest "1" was followed by 2 again
+    assert propose(d, [8, 9, 8]).tree.tokens[1:] == (9,)  # a new prompt: indexed afresh
+
+
+def test_draft_length_is_priced_by_acceptance_and_verify_cost():
+    cheap, dear = drafter(slope=0.02), drafter(slope=0.6)
+    assert cheap._length(3) > 3  # cheap verification: draft long
+    assert dear._length(1) == 0  # a weak 1-gram match on dear verification: do not draft
+    d = drafter(slope=0.1)
+    before = d._length(2)
+    for _ in range(20):  # every drafted token rejected
+        d._drafted[2] += 1
+    assert d._length(2) < before
+
+
+def test_budget_and_options_are_respected():
+    d = drafter(draft_length=5)
+    out = propose(d, [1, 2, 3, 4, 5, 6, 1, 2], budget=2)
+    assert out.steps == 2
+    assert propose(d, [1, 2, 1], budget=0) is None
+    with pytest.raises(InvalidInputError):
+        PromptLookupDrafter(min_ngram=3, max_ngram=2)
+    with pytest.raises(InvalidInputError):
+        PromptLookupDrafter(max_draft=0)
