@@ -108,3 +108,29 @@ def test_skipped_sublayers_change_the_output_and_write_no_cache():
     partial = ENGINE.forward(fresh, ids, 0, skip=skip_all_attention)
     assert not torch.allclose(full, partial)
     assert all(k is None for k in fresh._keys)  # no attention ran, so nothing was written
+
+
+def test_lean_attention_equals_the_modules_own_forward_bit_for_bit(tiny):
+    """The adapter's lean attention (same torch operations without transformers' plumbing) against the HF
+    module's forward: prefill, one-token steps (no mask, and a sliding window's mask) and a tree pass."""
+    assert tiny.adapter.lean_attention
+    engine = tiny.engine
+    prompt = torch.arange(40) % 50 + 3
+
+    def run(lean: bool) -> list[torch.Tensor]:
+        tiny.adapter.lean_attention = lean
+        try:
+            cache = engine.new_cache(64)
+            outs = [engine.forward(cache, prompt, 0)]
+            cache.commit(40)
+            outs.append(engine.forward(cache, torch.tensor([7]), 40))
+            cache.commit(41)
+            tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+            outs.append(engine.forward(cache, torch.tensor([5, 9, 11, 4]), 41, tree_mask=tree,
+                                       positions=torch.tensor([41, 42, 42, 43])))  # fmt: skip
+            return outs
+        finally:
+            tiny.adapter.lean_attention = True
+
+    for lean, plain in zip(run(True), run(False), strict=True):
+        assert torch.equal(lean, plain)

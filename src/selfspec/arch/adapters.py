@@ -29,6 +29,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..core import kernels
 from ..errors import UnsupportedModelError
@@ -58,6 +59,7 @@ class LlamaAdapter:
         # transformers renamed the attention's cache argument (past_key_values -> cache) in 5.x
         params = inspect.signature(type(layers[0].self_attn).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.lean_attention = all(_lean_ok(layer.self_attn) for layer in self.layers)
 
     # -- static facts ---------------------------------------------------------
     @property
@@ -154,9 +156,16 @@ class LlamaAdapter:
 
     def attention(self, i: int, h: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
         layer = self.layers[i]
-        out, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
-                                 attention_mask=mask, **{self._cache_kw: kv})  # fmt: skip
-        return h + out
+        return h + self._attend(layer.self_attn, layer.input_layernorm(h), rope, mask, kv)
+
+    def _attend(self, attn, x: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
+        """The attention module's output for ``x``: its own forward, or (``lean_attention``) the same torch
+        operations in the same order without the Python plumbing around them (a third of a small model's step
+        on 2 CPU cores); tests check the two agree bit for bit."""
+        if not self.lean_attention:
+            out, _ = attn(hidden_states=x, position_embeddings=rope, attention_mask=mask, **{self._cache_kw: kv})
+            return out
+        return _lean_attention(attn, x, rope, mask, kv)
 
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
@@ -189,13 +198,55 @@ class Gemma3Adapter(LlamaAdapter):
 
     def attention(self, i: int, h: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
         layer = self.layers[i]
-        out, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), position_embeddings=rope,
-                                 attention_mask=mask, **{self._cache_kw: kv})  # fmt: skip
-        return h + layer.post_attention_layernorm(out)
+        return h + layer.post_attention_layernorm(self._attend(layer.self_attn, layer.input_layernorm(h), rope, mask,
+                                                               kv))  # fmt: skip
 
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
         return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+
+
+def _lean_ok(attn) -> bool:
+    """Whether :func:`_lean_attention` reproduces this attention module (else its own forward runs)."""
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "num_key_value_groups", "layer_idx")
+    return (all(hasattr(attn, a) for a in needed) and not getattr(attn, "attn_logit_softcapping", None)
+            and not getattr(attn, "training", False) and getattr(attn, "is_causal", True))  # fmt: skip
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _lean_attention(attn, x: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
+    """transformers' attention forward with SDPA for batch 1 and no dropout (Llama, Mistral, Qwen2/3, Gemma 3):
+    projections, optional query/key norms, rotary embedding, cache write, grouped-query SDPA as transformers
+    dispatches it (``enable_gqa`` without a mask, packed heads for one query, repeated keys otherwise)."""
+    T, hd = x.shape[1], attn.head_dim
+    q = attn.q_proj(x).view(1, T, -1, hd).transpose(1, 2)
+    k = attn.k_proj(x).view(1, T, -1, hd).transpose(1, 2)
+    v = attn.v_proj(x).view(1, T, -1, hd).transpose(1, 2)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+    q = (q * cos) + (_rotate_half(q) * sin)
+    k = (k * cos) + (_rotate_half(k) * sin)
+    k, v = kv.update(k, v, attn.layer_idx)
+    groups = attn.num_key_value_groups
+    extra = {}
+    if groups > 1:
+        if mask is None and k.shape[-1] == v.shape[-1] <= 256:
+            extra["enable_gqa"] = True
+        elif T == 1:
+            q = q.reshape(1, q.shape[1] // groups, groups, hd)
+        else:
+            b, h, s, d = k.shape
+            k = k[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+            v = v[:, :, None].expand(b, h, groups, s, v.shape[-1]).reshape(b, h * groups, s, v.shape[-1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=attn.scaling,
+                                         is_causal=T > 1 and mask is None, **extra)  # fmt: skip
+    out = out.reshape(1, -1, T, v.shape[-1]).transpose(1, 2).contiguous()
+    return attn.o_proj(out.reshape(1, T, -1).contiguous())
 
 
 ADAPTERS: tuple[type[LlamaAdapter], ...] = (LlamaAdapter, Gemma3Adapter)
