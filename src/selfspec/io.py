@@ -41,6 +41,20 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
     return path
 
 
+def atomic_dir(path: str | Path, fill: Callable[[Path], Any]) -> Path:
+    """Call ``fill(folder)`` on a fresh folder next to ``path``, then move it onto ``path`` (a crash leaves the
+    old folder, or none, never a half-written one under ``path``)."""
+    import shutil
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fill(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.replace(path)
+    return path
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 

@@ -21,7 +21,7 @@ for a 262k-token vocabulary) and cached as a small HF directory without weights.
 
 from __future__ import annotations
 
-import shutil
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,15 +31,15 @@ import torch
 from torch import nn
 
 from ..core.quant import QuantEmbedding, QuantLinear, QuantWeight, from_gguf
-from ..errors import SelfspecError
+from ..errors import SelfspecError, UnsupportedModelError
+from ..io import atomic_dir
+from .adapters import SUPPORTED_MODEL_TYPES
 
 
 def gguf_metadata(path: Path, meta_dir: Path) -> Path:
     """A folder with the config and tokenizer of the GGUF file ``path`` (made once under ``meta_dir``)."""
     if (meta_dir / "config.json").is_file():
         return meta_dir
-    import struct
-
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -47,17 +47,74 @@ def gguf_metadata(path: Path, meta_dir: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, OSError, KeyError, RuntimeError, IndexError, TypeError, struct.error) as exc:
         raise SelfspecError(f"could not read GGUF file {path}: {str(exc).splitlines()[0][:300]}") from None
-    tmp = meta_dir.with_name(meta_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(meta_dir, ignore_errors=True)
-    tmp.replace(meta_dir)
-    return meta_dir
+    return atomic_dir(meta_dir, lambda tmp: (config.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
 _STRING, _ARRAY = 8, 9
+
+
+class _HeaderWalker:
+    """Reads a GGUF header from a buffer, front to back: numbers, strings, and values skipped by their type."""
+
+    def __init__(self, buf, bad) -> None:
+        self.buf, self.pos, self.bad = buf, 0, bad
+
+    def unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values
+
+    def string(self) -> str:
+        (n,) = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise self.bad("a string runs past the end")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", "replace")
+
+    def skip(self, kind: int) -> None:
+        if kind in _SCALAR_SIZES:
+            self.pos += _SCALAR_SIZES[kind]
+        elif kind == _STRING:
+            self.string()
+        elif kind == _ARRAY:
+            inner, count = self.unpack("IQ")
+            if inner in _SCALAR_SIZES:
+                self.pos += count * _SCALAR_SIZES[inner]
+            else:
+                for _ in range(count):
+                    self.skip(inner)
+        else:
+            raise self.bad(f"unknown value type {kind}")
+
+
+def _walk_header(buf, path: Path, bad) -> tuple[str, list[tuple[str, int, tuple[int, ...], int]], int]:
+    """(architecture, [(name, type number, shape, offset in the data)], where the data starts)."""
+    h = _HeaderWalker(buf, bad)
+    if bytes(buf[:4]) != b"GGUF":
+        raise SelfspecError(f"{path} is not a GGUF file (bad magic)")
+    h.pos = 4
+    version, n_tensors, n_kv = h.unpack("IQQ")
+    if version < 2:
+        raise SelfspecError(f"{path}: GGUF version {version} is not supported (2 or newer)")
+    arch, alignment = "", 32
+    for _ in range(n_kv):
+        key = h.string()
+        (kind,) = h.unpack("I")
+        if key == "general.architecture" and kind == _STRING:
+            arch = h.string()
+        elif key == "general.alignment" and kind == 4:
+            (alignment,) = h.unpack("I")
+        else:
+            h.skip(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name = h.string()
+        (n_dims,) = h.unpack("I")
+        shape = h.unpack(f"{n_dims}Q")
+        qtype, offset = h.unpack("IQ")
+        infos.append((name, qtype, tuple(int(d) for d in shape), offset))
+    return arch, infos, (h.pos + alignment - 1) // alignment * alignment
 
 
 def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...], int, int]]]:
@@ -65,7 +122,6 @@ def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...]
     tensor.  A small header walk of our own: ``gguf.GGUFReader`` parses every metadata array into numpy
     objects (13 s for a 262k-token vocabulary), where we need two values and the tensor table."""
     import mmap
-    import struct
 
     import gguf
 
@@ -78,57 +134,7 @@ def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...]
         except ValueError:
             raise bad("empty file") from None
     try:
-        if buf[:4] != b"GGUF":
-            raise SelfspecError(f"{path} is not a GGUF file (bad magic)")
-        pos = 4
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, pos)
-        pos += 20
-        if version < 2:
-            raise SelfspecError(f"{path}: GGUF version {version} is not supported (2 or newer)")
-
-        def string(at: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", buf, at)
-            if at + 8 + n > len(buf):
-                raise bad("a string runs past the end")
-            return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
-
-        def skip(kind: int, at: int) -> int:
-            if kind in _SCALAR_SIZES:
-                return at + _SCALAR_SIZES[kind]
-            if kind == _STRING:
-                return string(at)[1]
-            if kind == _ARRAY:
-                inner, count = struct.unpack_from("<IQ", buf, at)
-                at += 12
-                if inner in _SCALAR_SIZES:
-                    return at + count * _SCALAR_SIZES[inner]
-                for _ in range(count):
-                    at = skip(inner, at)
-                return at
-            raise bad(f"unknown value type {kind}")
-
-        arch, alignment = "", 32
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (kind,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            if key == "general.architecture" and kind == _STRING:
-                arch, pos = string(pos)
-            elif key == "general.alignment" and kind == 4:
-                (alignment,) = struct.unpack_from("<I", buf, pos)
-                pos += 4
-            else:
-                pos = skip(kind, pos)
-        infos = []
-        for _ in range(n_tensors):
-            name, pos = string(pos)
-            (n_dims,) = struct.unpack_from("<I", buf, pos)
-            shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-            pos += 4 + 8 * n_dims
-            qtype, offset = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            infos.append((name, qtype, tuple(int(s) for s in shape), offset))
-        start = (pos + alignment - 1) // alignment * alignment
+        arch, infos, start = _walk_header(buf, path, bad)
         size = len(buf)
     except struct.error:
         raise bad("the header ends early") from None
@@ -141,8 +147,7 @@ def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...]
         except ValueError:
             raise SelfspecError(f"GGUF file {path}: tensor {name} has unknown type number {qtype}") from None
         block, type_size = gguf.GGML_QUANT_SIZES[kind]
-        count = int(np.prod(shape)) if shape else 1
-        nbytes = count // block * type_size
+        nbytes = (int(np.prod(shape)) if shape else 1) // block * type_size
         if start + offset + nbytes > size:
             raise SelfspecError(f"GGUF file {path} is truncated: tensor {name} ends past the end of the file")
         tensors.append((name, kind.name, shape, start + offset, nbytes))
@@ -180,6 +185,9 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     gguf_arch, tensors = _read_tensors(path)  # first: a damaged file gets our message, not transformers'
     where = gguf_metadata(path, meta_dir)
     config = AutoConfig.from_pretrained(where)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"GGUF file {path.name} holds architecture '{config.model_type}'; supported: "
+                                    f"{', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(where)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)

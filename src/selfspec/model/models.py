@@ -32,7 +32,7 @@ import torch
 from ..arch.adapters import LlamaAdapter, adapter_for
 from ..core.kernel_plan import KernelReport, choose_plan, torch_only
 from ..errors import InvalidInputError, ModelNotFoundError, SelfspecError
-from ..io import cache_dir
+from ..io import atomic_dir, cache_dir
 from .engine import Engine
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -420,13 +420,7 @@ def _converted_checkpoint(key: str, gguf_path_fn) -> Path:
     hf.hf_quantizer = None
     hf.config.quantization_config = None
     del hf.config.quantization_config
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.replace(target)
-    return target
+    return atomic_dir(target, lambda tmp: (hf.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 def _from_pretrained(where: Path | str, dtype: torch.dtype, name: str):
