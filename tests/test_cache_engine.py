@@ -134,3 +134,12 @@ def test_lean_attention_equals_the_modules_own_forward_bit_for_bit(tiny):
 
     for lean, plain in zip(run(True), run(False), strict=True):
         assert torch.equal(lean, plain)
+
+
+def test_argmax_only_gives_the_logits_argmax(tiny_llama):
+    engine = tiny_llama.engine
+    ids = torch.arange(21) % 40 + 3
+    logits = engine.forward(engine.new_cache(32), ids, 0)
+    assert torch.equal(engine.forward(engine.new_cache(32), ids, 0, argmax_only=True), logits.argmax(-1))
+    last = engine.forward(engine.new_cache(32), ids, 0, argmax_only=True, last_only=True)
+    assert last.tolist() == [int(logits[-1].argmax())]

@@ -22,6 +22,8 @@ from ..core import kernels, quant
 from ..core.cache import KVCache
 from ..core.skipset import NO_SKIP, SkipSet
 
+HEAD_ROWS = 8  # rows per LM-head product when only the argmax is wanted
+
 
 @dataclass(frozen=True)
 class SublayerCosine:
@@ -59,6 +61,7 @@ class Engine:
         input_embeds: torch.Tensor | None = None,
         adapters: dict | None = None,
         prefill: bool = False,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
         """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
 
@@ -74,6 +77,7 @@ class Engine:
         mask tokens); ``adapters`` (drafts only) switches on low-rank updates of
         linear layers (see :func:`selfspec.core.kernels.draft_adapters`).
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
+        ``argmax_only``: the argmax token ids ``[T]`` instead of the logits (scoring a window of drafts).
         ``prefill`` (the prompt, which every method passes alike) lets quantised products of many rows take a
         faster path whose rows are not bit-equal to one-token products (see :func:`selfspec.core.quant.bulk_rows`).
         """
@@ -82,13 +86,14 @@ class Engine:
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only,
                     cosine_out=cosine_out, visible=visible, precision=precision, input_embeds=input_embeds,
-                    adapters=adapters,
+                    adapters=adapters, argmax_only=argmax_only,
                 )  # fmt: skip
         if precision is not None or adapters is not None:
             with kernels.draft_precision(precision), kernels.draft_adapters(adapters):
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask,
                     last_only=last_only, cosine_out=cosine_out, visible=visible, input_embeds=input_embeds,
+                    argmax_only=argmax_only,
                 )  # fmt: skip
         T = input_ids.shape[0]
         if positions is None:
@@ -116,6 +121,9 @@ class Engine:
             cosine_out.append(SublayerCosine(tuple(attn_cos), tuple(mlp_cos)))
         if last_only:
             h = h[:, -1:]
+        if argmax_only:  # the head a few rows at a time: never a [T, V] tensor (V = 262k for Gemma 3)
+            rows = h.shape[1]
+            return torch.cat([adapter.head(h[:, i : i + HEAD_ROWS])[0].argmax(-1) for i in range(0, rows, HEAD_ROWS)])
         return adapter.head(h)[0]  # [T, V]
 
     def forward_train(
