@@ -294,3 +294,19 @@ def test_cli_bench_bad_input_is_one_line(cli_on_tiny, argv, message, capsys):
     assert _bench(*argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_spec_bench_questions_per_category():
+    from selfspec.datasets import SPEC_BENCH_CATEGORIES, load_prompts
+
+    everything = load_prompts("spec-bench", chat=False)
+    assert len(everything) == 480
+    assert {p.task for p in everything} == set(SPEC_BENCH_CATEGORIES)
+    two = load_prompts("spec-bench", limit=2, offset=1, chat=True)
+    assert [p.task for p in two] == [c for c in SPEC_BENCH_CATEGORIES for _ in range(2)]
+    assert two[0].id == everything[1].id and two[0].prompt[0]["role"] == "user"
+    assert [p.task for p in load_prompts("spec-bench", categories=["rag", "qa"], limit=1)] == ["rag", "qa"]
+    with pytest.raises(InvalidInputError, match="unknown Spec-Bench category"):
+        load_prompts("spec-bench", categories=["poetry"])
+    with pytest.raises(InvalidInputError, match="spec-bench only"):
+        load_prompts("xsum", categories=["rag"])

@@ -1,9 +1,15 @@
-"""Offline prompt sets: XSum, HumanEval, MT-Bench (first turn), or your own JSONL.
+"""Offline prompt sets: XSum, HumanEval, MT-Bench (first turn), Spec-Bench (first turn), or your own JSONL.
 
 Each loader reads the data file from the pip package that ships it (DESIGN.md
 section 5) without importing the package, and turns every record into a
 prompt for the model: chat messages when the model has a chat template, raw
 text otherwise (base models such as Gemma 3 270M).
+
+Spec-Bench (Xia et al. 2024; its 480 questions ship with this package under
+``selfspec/data/spec-bench``, Apache-2.0) has six categories of 80: ``mt_bench``
+(MT-Bench's 8 kinds of 10 questions), ``translation``, ``summarization``, ``qa``,
+``math_reasoning``, ``rag``; ``limit`` and ``offset`` apply per category, and
+``categories`` picks some.
 
 A JSONL file works too: one object per line with a ``prompt`` (raw text) or
 ``messages`` (chat) field, and optionally an ``id``.
@@ -38,10 +44,20 @@ class PromptItem:
     prompt: str | list[dict[str, str]]
 
 
-def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offset: int = 0) -> list[PromptItem]:
-    """Prompts of a named dataset or a JSONL file, ``limit`` of them starting at ``offset``."""
+SPEC_BENCH = "spec-bench"
+SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offset: int = 0,
+                 categories: list[str] | None = None) -> list[PromptItem]:  # fmt: skip
+    """Prompts of a named dataset or a JSONL file, ``limit`` of them starting at ``offset`` (per category for
+    Spec-Bench, whose ``categories`` may be chosen)."""
     if limit is not None and limit < 1:
         raise InvalidInputError(f"limit must be >= 1, got {limit}")
+    if name == SPEC_BENCH:
+        return _spec_bench(limit, offset, chat, categories)
+    if categories:
+        raise InvalidInputError(f"categories apply to {SPEC_BENCH} only, not to '{name}'")
     if name in DATASETS:
         records = _read_records(_data_file(name))
         items = [_to_prompt(name, r, chat) for r in records]
@@ -52,6 +68,24 @@ def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offs
         items = [_from_jsonl(r, i, path.stem, chat) for i, r in enumerate(_read_records(path))]
     items = items[offset:]
     return items[:limit] if limit is not None else items
+
+
+def _spec_bench(limit: int | None, offset: int, chat: bool, categories: list[str] | None) -> list[PromptItem]:
+    chosen = list(categories or SPEC_BENCH_CATEGORIES)
+    unknown = [c for c in chosen if c not in SPEC_BENCH_CATEGORIES]
+    if unknown:
+        raise InvalidInputError(f"unknown Spec-Bench categor{'y' if len(unknown) == 1 else 'ies'} "
+                                f"{', '.join(unknown)}; choose from {', '.join(SPEC_BENCH_CATEGORIES)}")  # fmt: skip
+    path = Path(__file__).parent / "data" / "spec-bench" / "question.jsonl"
+    by_category: dict[str, list[PromptItem]] = {c: [] for c in chosen}
+    for r in _read_records(path):
+        category = r["category"] if r["category"] in SPEC_BENCH_CATEGORIES else "mt_bench"
+        if category in by_category:
+            question = r["turns"][0]
+            prompt = _chat_or_raw(chat, question, f"{question}\n\n")
+            by_category[category].append(PromptItem(f"{category}-{r['question_id']}", category, prompt))
+    end = None if limit is None else offset + limit
+    return [item for c in chosen for item in by_category[c][offset:end]]
 
 
 def _data_file(name: str) -> Path:

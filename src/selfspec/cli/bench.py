@@ -30,7 +30,8 @@ method specs (--methods):
     hf-lookup:tokens=10         transformers prompt lookup decoding
     hf-early-exit:8             transformers assistant_early_exit with 8 layers (default L/2)
 
-datasets: xsum, humaneval, mtbench, or a JSONL file ({"prompt": ...} or
+datasets: xsum, humaneval, mtbench, spec-bench (480 questions, six categories;
+--categories, --limit per category), or a JSONL file ({"prompt": ...} or
 {"messages": [...]} per line); --stream takes a comma-separated list of them
 and runs --limit prompts of each, task after task, with the same sessions.
 
@@ -61,10 +62,12 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help="weights: auto keeps a GGUF's quantised types (default), none dequantises to --dtype, "
                         "int8/int4 quantise the linear layers (weight-only, CPU)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--dataset", help="xsum, humaneval, mtbench or PATH.jsonl (default xsum)")
+    src.add_argument("--dataset", help="xsum, humaneval, mtbench, spec-bench or PATH.jsonl (default xsum)")
     src.add_argument("--stream", help="domain-shift stream: comma-separated datasets, e.g. xsum,humaneval,mtbench")
     p.add_argument("--limit", type=int, default=10, help="prompts (per task with --stream; default 10)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each dataset (default 0)")
+    p.add_argument("--categories", help="spec-bench: comma-separated categories (default all six: mt_bench, "
+                   "translation, summarization, qa, math_reasoning, rag); --limit applies per category")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--methods", default="vanilla,asd", help='method specs, e.g. "vanilla,asd,hf" (see below)')
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -87,6 +90,8 @@ def _command_line(args: argparse.Namespace) -> str:
     """The exact command, rebuilt from the parsed arguments (defaults made explicit)."""
     argv = ["selfspec", "bench", "--model", args.model]
     argv += ["--stream", args.stream] if args.stream else ["--dataset", args.dataset or "xsum"]
+    if args.categories:
+        argv += ["--categories", args.categories]
     if args.offset:
         argv += ["--offset", str(args.offset)]
     argv += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods]
@@ -137,9 +142,20 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise InvalidInputError("--stream names no dataset")
     from ..datasets import load_prompts
 
-    for name in names:
-        load_prompts(name, limit=1, chat=False)  # unknown name, missing package or bad JSONL: fail before loading
+    for name in names:  # unknown name or category, missing package or bad JSONL: fail before loading
+        load_prompts(name, limit=1, chat=False, categories=_categories(args, name))
     return names
+
+
+def _categories(args: argparse.Namespace, name: str) -> list[str] | None:
+    """The --categories list, for the Spec-Bench dataset only (another dataset with it is an error there)."""
+    if not args.categories:
+        return None
+    from ..datasets import SPEC_BENCH
+
+    if SPEC_BENCH not in ([args.dataset] if args.dataset else (args.stream or "").split(",")):
+        raise InvalidInputError("--categories applies to --dataset spec-bench only")
+    return [c.strip() for c in args.categories.split(",") if c.strip()] if name == SPEC_BENCH else None
 
 
 def _load_model(args: argparse.Namespace):
@@ -172,7 +188,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os.environ[ENV] = args.llama_cpp  # where the llamacpp peer looks first (after its own bin= option)
     model = _load_model(args)
     chat = model.has_chat_template
-    prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=chat, offset=args.offset)]
+    prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=chat, offset=args.offset,
+                                                         categories=_categories(args, name))]  # fmt: skip
     console.print(
         f"selfspec bench: {model.name}, {len(prompts)} prompts x {len(methods)} methods "
         f"({', '.join(m.label for m in methods)}), {args.max_new_tokens} new tokens",
