@@ -3,8 +3,11 @@ errors and warnings, weight-only int8/int4 of HF models, and lossless decoding o
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import shutil
 import struct
+import subprocess
 
 import gguf
 import numpy as np
@@ -15,8 +18,10 @@ from conftest import tiny_model
 import selfspec
 from selfspec.arch.gguf import _raw, _read_tensors
 from selfspec.core.quant import (
+    CFLAGS,
     PREFILL_ROWS,
     REPACKED_TYPES,
+    SOURCE,
     QuantLinear,
     from_gguf,
     quantize_linears,
@@ -190,3 +195,23 @@ def test_quantised_logits_are_the_dequantised_models_within_rounding(smollm2, sm
         ours, ref = smollm2.hf(ids).logits[0], smollm2_fp32.hf(ids).logits[0]
     assert (ours - ref).abs().max() < 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 with gcc only")
+def test_portable_kernels_without_avx512_agree(tmp_path):
+    """The plain-C path (CPUs without AVX-512) computes the same products."""
+    lib_path = tmp_path / "portable.so"
+    subprocess.run(["gcc", *CFLAGS, "-mno-avx512f", "-o", str(lib_path), str(SOURCE), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    for kind in ("Q4_K", "Q8_0", "Q6_K"):
+        qw = from_gguf(kind, random_blocks(kind, 24, 512, seed=4), 24, 512)
+        x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
+        y = torch.empty(5, 24)
+        minv = None if qw.minv is None else ctypes.c_void_p(qw.minv.data_ptr())
+        args = [ctypes.c_long(5), ctypes.c_long(24), ctypes.c_long(512)]
+        ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x, qw.codes, qw.scale)]
+        if qw.fmt == "q4":
+            lib.selfspec_linear_q4(*args, *ptrs, minv, ctypes.c_void_p(y.data_ptr()))
+        else:
+            lib.selfspec_linear_q8(*args, ctypes.c_long(qw.group), *ptrs, minv, ctypes.c_void_p(y.data_ptr()))
+        assert torch.allclose(y, qw.matmul(x), rtol=1e-5, atol=1e-4), kind
