@@ -310,3 +310,12 @@ def test_spec_bench_questions_per_category():
         load_prompts("spec-bench", categories=["poetry"])
     with pytest.raises(InvalidInputError, match="spec-bench only"):
         load_prompts("xsum", categories=["rag"])
+
+
+def test_llamacpp_peer_takes_paths_and_a_speculation_type():
+    from selfspec.bench.spec import parse_methods
+
+    methods = parse_methods("llamacpp:spec=ngram-mod@ngram,llamacpp:gguf=/models/x.gguf")
+    assert [m.options for m in methods[1:]] == [{"spec": "ngram-mod"}, {"gguf": "/models/x.gguf"}]
+    with pytest.raises(InvalidInputError, match="positive integer"):
+        parse_methods("llamacpp:threads=two")

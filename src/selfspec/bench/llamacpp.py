@@ -7,7 +7,11 @@ and is skipped with one line saying so otherwise.  The weights are the GGUF
 file of the built-in model, the ``.gguf`` the model was loaded from, or the
 option ``gguf=FILE`` (for instance an F32 export of the same checkpoint).
 
-One server is started per (binary, file, threads) and reused for every
+``spec=TYPE`` starts the server with ``--spec-type TYPE``: llama.cpp's own
+draft-free speculation (``ngram-mod``, ``ngram-simple``, ...), the mark our
+prompt lookup is compared with.
+
+One server is started per (binary, file, threads, spec) and reused for every
 prompt; each prompt is sent as token ids (our tokenizer's), greedy unless the
 run samples, without prompt caching.  Times are the server's own ``timings``
 (prompt and generation), so HTTP overhead is not billed to llama.cpp.  Its
@@ -36,7 +40,7 @@ from ..decoding.loop import GenerationStats
 from ..errors import InvalidInputError
 
 ENV = "SELFSPEC_LLAMA_CPP"
-_SERVERS: dict[tuple[str, str, int], _Server] = {}
+_SERVERS: dict[tuple[str, str, int, str], _Server] = {}
 
 
 def find_binary(option: str | None) -> Path | None:
@@ -76,12 +80,12 @@ def skip_reason(model, options: dict[str, Any]) -> str | None:
 
 
 class _Server:
-    def __init__(self, binary: Path, gguf: Path, threads: int, context: int) -> None:
+    def __init__(self, binary: Path, gguf: Path, threads: int, context: int, spec: str = "") -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-c", str(context), "--host", "127.0.0.1",
-               "--port", str(self.port), "-np", "1"]  # fmt: skip
+               "--port", str(self.port), "-np", "1"] + (["--spec-type", spec] if spec else [])  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -127,9 +131,10 @@ def run(model, options: dict[str, Any], prompt_ids: list[int], max_new_tokens: i
         raise RuntimeError("llama-server not found")
     gguf = gguf_file(model, options.get("gguf"))
     threads = int(options.get("threads", torch.get_num_threads()))
-    key = (str(binary), str(gguf), threads)
+    spec = str(options.get("spec", ""))
+    key = (str(binary), str(gguf), threads, spec)
     if key not in _SERVERS:
-        _SERVERS[key] = _Server(binary, gguf, threads, context=min(model.max_context, 8192))
+        _SERVERS[key] = _Server(binary, gguf, threads, context=min(model.max_context, 8192), spec=spec)
     body: dict[str, Any] = {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "cache_prompt": False,
                             "return_tokens": True, "stream": False}  # fmt: skip
     if sampling.greedy:

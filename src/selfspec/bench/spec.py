@@ -66,6 +66,7 @@ PEERS: dict[str, PeerSpec] = {
             "bin": "llama-server binary or its folder (default: --llama-cpp, $SELFSPEC_LLAMA_CPP, PATH)",
             "gguf": "GGUF file (default: the built-in model's, or the .gguf the model was loaded from)",
             "threads": "threads (default: torch's thread count)",
+            "spec": "llama-server --spec-type, e.g. ngram-mod (llama.cpp's draft-free speculation; default none)",
         },
         "gguf",
         judged=False,
@@ -156,6 +157,9 @@ def parse_spec(text: str) -> BenchMethod:
     return method
 
 
+TEXT_OPTIONS = {"bin", "gguf", "spec"}  # peer options that are paths or names, not counts
+
+
 def validate(method: BenchMethod) -> None:
     """Check the options without a model (peer layer ranges are checked once the model is known)."""
     if method.name in METHODS:
@@ -167,6 +171,8 @@ def validate(method: BenchMethod) -> None:
         valid = ", ".join(peer.options) or "none"
         raise InvalidInputError(f"method '{method.label}' has no option(s) {', '.join(unknown)}; valid: {valid}")
     for key, value in method.options.items():
+        if key in TEXT_OPTIONS:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InvalidInputError(f"method '{method.label}': option {key} must be a positive integer, got {value!r}")
 
