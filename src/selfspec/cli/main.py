@@ -355,7 +355,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     for m in models:
         state = "installed" if m["installed"] else f"not installed ({m['install']})"
-        conv = ", converted" if m["converted"] else ""
+        conv = (", metadata cached" if m["ready"] else "") + (", fp32 copy cached" if m["converted"] else "")
         print(f"{m['name']:14s} {state}{conv}\n{'':14s} {m['description']}")
     return 0
 

@@ -260,11 +260,13 @@ def _check_quantized_place(dev: torch.device, dtype: torch.dtype, what: str, ins
 
 
 def list_models() -> list[dict[str, Any]]:
-    """Built-in names, whether their packages are installed, and whether they are converted already."""
+    """Built-in names, whether their packages are installed, whether their GGUF metadata is parsed (``ready``)
+    and whether an fp32 copy exists for ``quantize="none"`` (``converted``)."""
     return [
         {
             "name": b.name,
             "installed": b.installed(),
+            "ready": (_cache_dir() / "gguf-meta" / b.name / "config.json").is_file(),
             "converted": (_cache_dir() / "models" / b.name / "config.json").is_file(),
             "description": b.description,
             "install": b.pip,
