@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidInputError
+from .args import add_model_args
 
 METHODS_SYNTAX = """\
 method specs (--methods):
@@ -53,14 +54,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
         epilog=METHODS_SYNTAX,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    p.add_argument("--kernels", default="auto", choices=("auto", "torch"),
-                   help="linear kernels of our engine: measured fastest here (auto, default) or torch's own")
-    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "int4"),
-                   help="weights: auto keeps a GGUF's quantised types (default), none dequantises to --dtype, "
-                        "int8/int4 quantise the linear layers (weight-only, CPU)")
+    add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", help="xsum, humaneval, mtbench, spec-bench or PATH.jsonl (default xsum)")
     src.add_argument("--stream", help="domain-shift stream: comma-separated datasets, e.g. xsum,humaneval,mtbench")

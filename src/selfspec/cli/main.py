@@ -18,17 +18,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InvalidInputError, SelfspecError
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    p.add_argument("--kernels", default="auto", choices=("auto", "torch"),
-                   help="linear kernels: measured fastest on this machine (auto, default) or torch's own")
-    p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "int4"),
-                   help="weights: auto keeps a GGUF's quantised types (default), none dequantises to --dtype, "
-                        "int8/int4 quantise the linear layers of any model (weight-only, CPU)")
+from .args import add_model_args
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -101,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text with one method (optionally compared with vanilla)")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--method", default="asd", help="vanilla, asd, swift, s3d, static, selfsd or pld (default asd)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
@@ -121,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("kernels", help="which kernel computes each product on this machine, measured (GB/s)")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--force", action="store_true", help="measure again even if a cached choice exists")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=cmd_kernels)
@@ -132,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Search a static skip set (Self-SD / Draft & Verify) on calibration prompts; use it with "
         "`generate --method selfsd --skip-set OUT`. Resumable: rerun the same command to continue.",
     )
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--dataset", default="xsum", help="calibration data: xsum, humaneval, mtbench or PATH.jsonl")
     p.add_argument("--limit", type=int, default=8, help="calibration prompts (default 8, as D&V)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of the dataset")
@@ -155,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an S3D adapter on text the model generates itself from prompts of the offline "
         "datasets; use it with `generate --method s3d --adapter OUT`. Resumable: rerun to continue.",
     )
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--out", type=Path, required=True, help="adapter directory")
     p.add_argument("--steps", type=int, default=300, help="training steps in all, resumed ones included (300)")
     p.add_argument("--skip", help="skipped middle layers FROM-TO (0-based, inclusive); default: the middle half")
