@@ -194,20 +194,26 @@ def test_a_lossy_method_is_flagged(model, monkeypatch, tmp_path):
     assert json.loads(paths["summary"].read_text())["lossless"] is False
 
 
-def test_sampling_runs_are_seeded_and_not_compared_with_vanilla(model):
-    """Under sampling outputs differ draw by draw: no lossless verdict, but a seeded run repeats exactly."""
+def test_coupled_sampling_runs_are_judged_lossless_rejection_runs_are_not(model):
+    """Coupled sampling (the default): with prompt i's seed every method emits vanilla sampling's tokens, so
+    the lossless column is judged; a rejection-sampling column and the peers sample on their own (n/a)."""
     from selfspec.core.sampling import SamplingParams
 
     sampling = SamplingParams(0.9, top_k=20, seed=3)
-    runs = [run_benchmark(model, PROMPTS[:2], "asd,hf", max_new_tokens=12, warmup=0, sampling=sampling)
+    methods = "asd,asd:sampling_scheme=rejection@asd-rs,hf"
+    runs = [run_benchmark(model, PROMPTS[:2], methods, max_new_tokens=12, warmup=0, sampling=sampling)
             for _ in range(2)]  # fmt: skip
     assert [r.token_ids for r in runs[0].records] == [r.token_ids for r in runs[1].records]
-    assert all(r.identical_to_vanilla is None for r in runs[0].records)
+    verdicts = {(r.method, r.identical_to_vanilla) for r in runs[0].records}
+    assert verdicts == {("vanilla", True), ("asd", True), ("asd-rs", None), ("hf", None)}
     summary = summarize(runs[0])
-    assert summary.lossy == () and summary.method("asd").lossless is None
+    assert summary.lossy == () and summary.method("asd").lossless is True
+    assert summary.method("asd-rs").lossless is None
     assert summary.config["sampling"]["temperature"] == 0.9
     greedy = run_benchmark(model, PROMPTS[:2], "asd", max_new_tokens=12, warmup=0)
     assert [r.token_ids for r in greedy.records] != [r.token_ids for r in runs[0].records]
+    with pytest.raises(InvalidInputError, match="sampling_scheme"):
+        run_benchmark(model, PROMPTS[:1], "asd:sampling_scheme=fancy", max_new_tokens=4, warmup=0, sampling=sampling)
 
 
 def test_a_failing_method_is_recorded_and_the_run_goes_on(model, monkeypatch):

@@ -97,20 +97,41 @@ def test_gemma3_swift_long_prompt_identical(gemma3):
 
 
 def test_smollm2_sampling_is_exact(smollm2):
-    """SWIFT with fp16 drafts and cost-aware token trees samples the real model's distribution of its first
-    three tokens (top-k 3: 27 outcomes, enumerated with transformers), by chi-square over seeded decodings."""
+    """SWIFT (rejection scheme) with fp16 drafts and cost-aware token trees samples the real model's
+    distribution of its first three tokens (top-k 3: 27 outcomes, enumerated with transformers), by
+    chi-square over seeded decodings."""
     from test_sampling import CORRECT_P, chi_square_p, exact_distribution, sample_outputs
 
     from selfspec.core.sampling import SamplingParams
 
     prompt = smollm2.encode([{"role": "user", "content": "Name a colour and an animal."}])
-    params = SamplingParams(1.0, top_k=3)
+    params = SamplingParams(1.0, top_k=3, scheme="rejection")
     n = 400
     # a fixed draft length: whether the cost-aware exit drafts at all depends on measured times
     counts, verified, drafted = sample_outputs(smollm2, "swift", {"context_window": 2, "draft_length": 2}, params,
                                                n=n, prompt=prompt, new=3)  # fmt: skip
     assert drafted >= n
     assert chi_square_p(counts, exact_distribution(smollm2, params, prompt=prompt, new=3), n) > CORRECT_P
+
+
+SAMPLED_METHODS = [("asd", {}), ("swift", {}), ("pld", {}),
+                   ("static", {"skip_set": {"attention": [3, 6, 9, 12], "mlp": [4, 8]}})]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_seeded_sampling_is_vanilla_samplings_tokens(name, request):
+    """Coupled sampling, the new lossless check under sampling: with one seed every method (SWIFT with its
+    clock-driven default schedule included) emits exactly vanilla sampling's tokens, on both built-in models,
+    at temperature 0.7 / top-p 0.9 and at 1.0."""
+    model = request.getfixturevalue(name)
+    item = _prompts(chat=model.has_chat_template)[0]
+    for kw in ({"temperature": 0.7, "top_p": 0.9, "seed": 1}, {"temperature": 1.0, "seed": 2}):
+        base = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=32, **kw)
+        for method, options in SAMPLED_METHODS:
+            out = selfspec.generate(model, item.prompt, method, max_new_tokens=32, **options, **kw)
+            assert out.token_ids == base.token_ids, (name, method, kw)
+        greedy = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=32)
+        assert greedy.token_ids != base.token_ids
 
 
 def test_smollm2_s3d_identical(smollm2, tmp_path):

@@ -1,4 +1,6 @@
-"""Speculative sampling is exact: every method samples from exactly the model's (warped) distribution.
+"""Speculative (rejection) sampling is exact: every method samples from exactly the model's (warped) distribution.
+
+(The default scheme, coupled sampling, is tested in tests/test_coupled_sampling.py with the helpers here.)
 
 Two layers of evidence:
 
@@ -22,6 +24,7 @@ thresholds (correct: p-value > 1e-3; broken: < 1e-6) leave wide margins.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -31,12 +34,12 @@ from conftest import tiny_model
 from scipy import stats
 
 import selfspec
+from selfspec.core import sampling as sampling_module
 from selfspec.core.sampling import SamplingParams, sample_without_replacement, warp
 from selfspec.decoding import loop as decoding
 from selfspec.decoding.acceptance import accept_sampling
 from selfspec.decoding.loop import Decoder, prefill
 from selfspec.decoding.trees import DraftTree
-from selfspec.drafters import layerskip as drafting
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
 
@@ -190,8 +193,8 @@ PROMPT = [3, 4, 5, 6, 7, 3, 5]  # token ids: the char tokenizer is larger than t
 NEW = 4  # the first comes from the prefill; a round then drafts up to 2 and verifies them with a bonus
 SAMPLES = 2500
 SETTINGS = {
-    "t1-topk3": SamplingParams(1.0, top_k=3),
-    "t0.7-topp0.8": SamplingParams(0.7, top_p=0.8),
+    "t1-topk3": SamplingParams(1.0, top_k=3, scheme="rejection"),
+    "t0.7-topp0.8": SamplingParams(0.7, top_p=0.8, scheme="rejection"),
 }
 METHODS = {
     "asd": ("asd", {"draft_dtype": "same"}),
@@ -222,7 +225,7 @@ def exact_distribution(model, params: SamplingParams, prompt=PROMPT, new=NEW) ->
     def expand(prefix: tuple[int, ...], prob: float) -> None:
         with torch.inference_mode():
             logits = model.hf(torch.tensor([list(prompt) + list(prefix)])).logits[0, -1]
-        p = warp(logits, params)
+        p = warp(logits[None], params, [torch.tensor([*prompt, *prefix])])[0]
         for t in torch.nonzero(p).flatten().tolist():
             seq = prefix + (t,)
             if t in model.eos_token_ids or len(seq) == new:
@@ -248,7 +251,7 @@ def sample_outputs(model, method: str, options: dict, params: SamplingParams, n:
     counts: collections.Counter = collections.Counter()
     verified = drafted = 0
     for i in range(n):
-        sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + i)
+        sampling = dataclasses.replace(params, seed=seed0 + i)
         dec = Decoder(model, list(prompt), max_new_tokens=new, method=method, skip_policy=skip_policy,
                       draft_policy=drafter, sampling=sampling, prefill=pf)  # fmt: skip
         counts[tuple(t for new_tokens in dec for t in new_tokens)] += 1
@@ -315,12 +318,13 @@ def test_broken_variants_are_caught(small_vocab, monkeypatch, broken, name):
     """The same test rejects each known wrong way of doing speculative sampling."""
     params = SETTINGS["t1-topk3"]
     if broken == "greedy draft, softmax q":
-        monkeypatch.setattr(drafting, "sample_without_replacement", _greedy_draws)
+        monkeypatch.setattr(sampling_module, "sample_without_replacement", _greedy_draws)
     elif broken == "q without the warping":
         # tokens drawn from the warped draft distribution, but q recorded as the plain softmax
-        monkeypatch.setattr(drafting, "warp", lambda logits, _params: logits.float().softmax(-1))
+        monkeypatch.setattr(sampling_module.Sampler, "draft_distribution",
+                            lambda self, logits, history: logits.float().softmax(-1))  # fmt: skip
         monkeypatch.setattr(
-            drafting,
+            sampling_module,
             "sample_without_replacement",
             lambda q, k, gen: sample_without_replacement(warp(q.log(), params), k, gen),
         )
@@ -334,13 +338,15 @@ def test_broken_variants_are_caught(small_vocab, monkeypatch, broken, name):
 # -- the API: options, seeds, errors ---------------------------------------------------------------
 
 
-# Draft lengths and tree widths decided from measured times (SWIFT's default cost schedule) change how many
-# draws a round takes, so there a seed fixes the distribution, not the exact sample; with a schedule that
-# does not read the clock, a seed fixes the exact output.
+# Under the rejection scheme, draft lengths and tree widths decided from measured times (SWIFT's default cost
+# schedule) change how many draws a round takes, so there a seed fixes the distribution, not the exact sample;
+# with a schedule that does not read the clock, a seed fixes the exact output.  (Coupled sampling, the
+# default, fixes the exact output whatever the schedule: tests/test_coupled_sampling.py.)
 DETERMINISTIC_SCHEDULES = [
     ("vanilla", {}),
     ("asd", {"draft_dtype": "same"}),
     ("swift", {"schedule": "paper", "epsilon": 0.3, "budget": 1000.0, "context_window": 8, "draft_dtype": "same"}),
+    ("swift", {"context_window": 8, "sampling_scheme": "coupled"}),
 ]
 
 
@@ -349,6 +355,7 @@ def test_a_seed_makes_a_sampled_run_reproducible(tiny_llama, method, options):
     prompt = "Once upon a time"
     torch.manual_seed(123)
     before = torch.get_rng_state()
+    options = {"sampling_scheme": "rejection", **options}
     runs = [selfspec.generate(tiny_llama, prompt, method, max_new_tokens=30, temperature=1.0, seed=s, **options)
             for s in (5, 5, 6)]  # fmt: skip
     assert runs[0].token_ids == runs[1].token_ids

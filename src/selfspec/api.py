@@ -9,9 +9,11 @@ A :class:`Session` keeps what a method learns between prompts (for instance
 Draft & Verify's confidence threshold, SWIFT's skip set); the module-level
 functions start a fresh one per call.
 
-Decoding is greedy unless ``temperature`` > 0; then ``top_k``, ``top_p`` and
-``seed`` apply, and every method samples exactly from the model's (warped)
-distribution by speculative sampling.
+Decoding is greedy unless ``temperature`` > 0; then ``top_k``, ``top_p``,
+``min_p``, ``repetition_penalty`` and ``seed`` apply, and every method samples
+exactly from the model's (warped) distribution: by default with coupled
+(Gumbel-max) sampling, where a seed fixes the very tokens whatever the method
+(see :mod:`selfspec.core.sampling`).
 """
 
 from __future__ import annotations
@@ -75,11 +77,17 @@ class Session:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
         seed: int | None = None,
+        sampling_scheme: str = "coupled",
     ) -> GenerationResult:
-        """Greedy with ``temperature`` 0 (default); else sampled, reproducibly when ``seed`` is given (except
-        where draft lengths or tree widths follow measured times: SWIFT's default ``schedule="cost"``)."""
-        decoder = self._decoder(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
+        """Greedy with ``temperature`` 0 (default); else sampled.  With the default ``sampling_scheme``
+        ("coupled") a ``seed`` gives exactly the tokens vanilla sampling gives with that seed, for every
+        method; "rejection" is classic speculative sampling (exact in distribution; a seed reproduces a run
+        only where draft lengths do not follow measured times)."""
+        params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme)
+        decoder = self._decoder(prompt, max_new_tokens, params)
         ids = [t for new in decoder for t in new]
         self.last_result = GenerationResult(self.model.decode(ids), tuple(ids), decoder.stats)
         return self.last_result
@@ -92,10 +100,14 @@ class Session:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
         seed: int | None = None,
+        sampling_scheme: str = "coupled",
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; ``last_result`` is set at the end."""
-        decoder = self._decoder(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
+        params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme)
+        decoder = self._decoder(prompt, max_new_tokens, params)
         ids: list[int] = []
         shown = ""
         rounds = iter(decoder)
@@ -116,7 +128,7 @@ class Session:
             yield final[len(shown) :]
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme")
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -127,7 +139,8 @@ def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def generate(
     model: Model | str, prompt: Prompt, method: str = "asd", *, max_new_tokens: int = 128, **options: Any
 ) -> GenerationResult:
-    """Generate with ``method`` (see ``selfspec.METHODS``); ``temperature``, ``top_p``, ``top_k``, ``seed``
+    """Generate with ``method`` (see ``selfspec.METHODS``); the keywords of :meth:`Session.generate`
+    (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``sampling_scheme``)
     choose sampling (default greedy); every other keyword is an option of the method."""
     method_options, sampling = _split(dict(options))
     return Session(model, method, **method_options).generate(prompt, max_new_tokens=max_new_tokens, **sampling)

@@ -141,6 +141,7 @@ def run(model, options: dict[str, Any], prompt_ids: list[int], max_new_tokens: i
         body.update(temperature=0.0, top_k=1)
     else:
         body.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                    min_p=sampling.min_p, repeat_penalty=sampling.repetition_penalty,
                     seed=-1 if sampling.seed is None else sampling.seed)  # fmt: skip
     out = _SERVERS[key].complete(body)
     ids = [int(t) for t in out.get("tokens", [])]

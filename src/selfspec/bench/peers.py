@@ -118,7 +118,8 @@ def _sampling_kwargs(sampling: SamplingParams) -> dict:
     if sampling.greedy:
         return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     # top_k 0 switches transformers' top-k off (None would fall back to the model's default, often 50)
-    return {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
+    return {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "min_p": sampling.min_p or None, "repetition_penalty": sampling.repetition_penalty}
 
 
 @contextmanager

@@ -145,7 +145,18 @@ def sampling_text(config: dict[str, Any]) -> str:
         return "greedy"
     cuts = f", top-p {s['top_p']}" if s.get("top_p", 1.0) < 1.0 else ""
     cuts += f", top-k {s['top_k']}" if s.get("top_k") else ""
-    return f"sampling (temperature {s['temperature']}{cuts}, seed {s.get('seed')} + prompt index)"
+    cuts += f", min-p {s['min_p']}" if s.get("min_p") else ""
+    cuts += f", repetition penalty {s['repetition_penalty']}" if s.get("repetition_penalty", 1.0) != 1.0 else ""
+    scheme = s.get("scheme", "coupled")
+    return f"sampling (temperature {s['temperature']}{cuts}, {scheme} scheme, seed {s.get('seed')} + prompt index)"
+
+
+def _lossless_under_sampling(s: dict[str, Any]) -> str:
+    if s.get("scheme", "coupled") == "coupled":
+        return (" with the same seed (coupled sampling: every method emits vanilla sampling's tokens; columns with "
+                "sampling_scheme=rejection and the peers sample on their own, n/a)")
+    return (" (rejection sampling: outputs differ draw by draw, so n/a here; exactness in distribution is tested "
+            "statistically in tests/test_sampling.py)")
 
 
 def markdown_report(summary: BenchSummary) -> str:
@@ -174,8 +185,7 @@ def markdown_report(summary: BenchSummary) -> str:
         "count as verify). Peak RSS: process resident-set high-water mark during each call "
         f"({cfg.get('memory_probe')}), max over prompts; +delta = peak minus RSS at the call's start. "
         "Lossless = every output token-identical to vanilla's"
-        + (" (greedy only: sampled outputs differ draw by draw, so n/a here; exactness under sampling is tested "
-           "statistically in tests/test_sampling.py)" if cfg.get("sampling") else "")
+        + (_lossless_under_sampling(cfg["sampling"]) if cfg.get("sampling") else "")
         + ". Peers (hf*) are counted with forward hooks.",
     ]
     errors = [r for r in summary.methods if r.errors]

@@ -17,11 +17,13 @@ Fairness rules, as in gpt-fast's benchmark loop:
    included) for ours and the peers alike.
 
 Every output is compared with vanilla's on the same prompt: greedy decoding
-must be token-identical, or the method is lossy.  Under sampling
-(``temperature`` > 0) outputs legitimately differ draw by draw, so the
-comparison is not made (exactness under sampling is a statistical property,
-tested in ``tests/test_sampling.py``); prompt i is sampled with seed
-``seed + i`` by every method.  A method that raises is
+must be token-identical, or the method is lossy.  So must coupled sampling
+(the default scheme under ``temperature`` > 0): prompt i is sampled with seed
+``seed + i`` by every method, and with one seed every method emits vanilla
+sampling's tokens.  Under the rejection scheme (method option
+``sampling_scheme=rejection``, e.g. ``swift:sampling_scheme=rejection@swift-rs``)
+outputs legitimately differ draw by draw, so the comparison is not made
+(exactness there is a statistical property, tested in ``tests/test_sampling.py``).  A method that raises is
 recorded with its error and the run goes on (a peer that fails once is
 skipped for the remaining prompts).
 """
@@ -45,7 +47,7 @@ from ..decoding.loop import check_lengths, prefill_cosine
 from ..errors import InvalidInputError
 from ..model.models import Model
 from .peers import check_peer, run_peer
-from .spec import PEERS, BenchMethod, baseline_of, parse_methods, with_baseline
+from .spec import PEERS, SCHEME_OPTION, BenchMethod, baseline_of, parse_methods, with_baseline
 from .system import PeakMemory
 
 
@@ -103,6 +105,11 @@ class BenchResult:
 ProgressFn = Callable[[int, int, str], None]
 
 
+def _comparable(ours: SamplingParams, vanilla: SamplingParams) -> bool:
+    """Whether a method's output must equal vanilla's token for token: greedy, or both coupled sampling."""
+    return ours.greedy or (ours.coupled and vanilla.coupled)
+
+
 class _Runner:
     def __init__(self, model: Model, methods: Sequence[BenchMethod], max_new_tokens: int,
                  sampling: SamplingParams) -> None:  # fmt: skip
@@ -113,25 +120,29 @@ class _Runner:
         self.memory = PeakMemory()
 
     def session(self, method: BenchMethod) -> Session:
-        return Session(self.model, method.name, **method.options)
+        options = {k: v for k, v in method.options.items() if k != SCHEME_OPTION}
+        return Session(self.model, method.name, **options)
 
-    def sampling_for(self, index: int) -> SamplingParams:
+    def sampling_for(self, index: int, method: BenchMethod | None = None) -> SamplingParams:
         s = self.sampling
         if s.greedy:
             return s
-        return dataclasses.replace(s, seed=None if s.seed is None else s.seed + max(index, 0))
+        scheme = method.options.get(SCHEME_OPTION, s.scheme) if method is not None else s.scheme
+        return dataclasses.replace(s, seed=None if s.seed is None else s.seed + max(index, 0), scheme=scheme)
 
     def call(self, method: BenchMethod, session: Session | None, prompt: Any, index: int):
         """(token ids, text, stats dict) of one generation."""
-        sampling = self.sampling_for(index)
+        sampling = self.sampling_for(index, method)
         if method.is_peer:
             ids = self.model.encode(prompt)
             check_lengths(self.model, len(ids), self.max_new_tokens)
             tokens, stats = run_peer(self.model, method, ids, self.max_new_tokens, sampling)
             return tuple(tokens), self.model.decode(tokens), stats.to_dict()
         assert session is not None
-        result = session.generate(prompt, max_new_tokens=self.max_new_tokens, temperature=sampling.temperature,
-                                  top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)  # fmt: skip
+        s = sampling
+        result = session.generate(prompt, max_new_tokens=self.max_new_tokens, temperature=s.temperature,
+                                  top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+                                  seed=s.seed, sampling_scheme=s.scheme)  # fmt: skip
         return tuple(result.token_ids), result.text, result.stats.to_dict()
 
     def record(self, index: int, item: PromptItem, method: BenchMethod, session: Session | None) -> PromptRecord:
@@ -239,7 +250,9 @@ def run_benchmark(
                 on_progress(done, total, m.label)
         base = next(r for r in row if r.method == baseline.label)
         for m, rec in zip(specs, row, strict=True):
-            judged = rec.ok and base.ok and sampling.greedy and not (m.is_peer and not PEERS[m.name].judged)
+            judged = rec.ok and base.ok and _comparable(runner.sampling_for(i, m), runner.sampling_for(i, baseline))
+            if m.is_peer:  # a peer samples with its own generator: judged on greedy output only
+                judged = judged and PEERS[m.name].judged and sampling.greedy
             same = rec.token_ids == base.token_ids if judged else None
             records.append(dataclasses.replace(rec, identical_to_vanilla=same))
     if bar is not None:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.sampling import SCHEMES
 from ..errors import InvalidInputError
 from ..methods import METHODS, build_policies
 
@@ -158,12 +159,17 @@ def parse_spec(text: str) -> BenchMethod:
 
 
 TEXT_OPTIONS = {"bin", "gguf", "spec"}  # peer options that are paths or names, not counts
+SCHEME_OPTION = "sampling_scheme"  # an option of every method of ours: this column's sampling scheme
 
 
 def validate(method: BenchMethod) -> None:
     """Check the options without a model (peer layer ranges are checked once the model is known)."""
     if method.name in METHODS:
-        build_policies(method.name, dict(method.options))
+        options = dict(method.options)
+        scheme = options.pop(SCHEME_OPTION, None)
+        if scheme is not None and scheme not in SCHEMES:
+            raise InvalidInputError(f"method '{method.label}': {SCHEME_OPTION} must be one of {', '.join(SCHEMES)}")
+        build_policies(method.name, options)
         return
     peer = PEERS[method.name]
     unknown = sorted(set(method.options) - set(peer.options))

@@ -1,5 +1,6 @@
 """Command-line options shared by several commands (``generate``, ``kernels``, ``search``, ``train-s3d``,
-``bench``): one definition, so that a new loading option reaches every command that loads a model."""
+``bench``): one definition, so that a new loading option reaches every command that loads a model, and a new
+sampling option every command that samples."""
 
 from __future__ import annotations
 
@@ -16,3 +17,39 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "int4"),
                    help="weights: auto keeps a GGUF's quantised types (default), none dequantises to --dtype, "
                         "int8/int4 quantise the linear layers of any model (weight-only, CPU)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, seed_help: str = "makes a sampled run reproducible",
+                      seed_default: int | None = None) -> None:  # fmt: skip
+    """--temperature, --top-p, --top-k, --min-p, --repetition-penalty, --seed, --sampling-scheme."""
+    g = p.add_argument_group("sampling (default greedy; every method samples exactly from the model's distribution)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus cut (default 1: none)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k cut (default 0: none)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min-p cut (default 0: none)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty (default 1: none)")
+    g.add_argument("--seed", type=int, default=seed_default, help=seed_help)
+    g.add_argument("--sampling-scheme", choices=("coupled", "rejection"), default="coupled",
+                   help="coupled (default): Gumbel-max noise per output position, so a seed gives exactly vanilla "
+                        "sampling's tokens; rejection: classic speculative sampling")  # fmt: skip
+
+
+def sampling_params(args: argparse.Namespace):
+    """The parsed sampling options as :class:`~selfspec.core.sampling.SamplingParams` (validated)."""
+    from ..core.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p, args.repetition_penalty,
+                          args.sampling_scheme)  # fmt: skip
+
+
+def sampling_argv(args: argparse.Namespace) -> list[str]:
+    """The sampling options as command-line words (empty when greedy), to print a run's exact command."""
+    if not args.temperature:
+        return []
+    argv = ["--temperature", str(args.temperature), "--seed", str(args.seed)]
+    for flag, value, neutral in (("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0),
+                                 ("--min-p", args.min_p, 0.0), ("--repetition-penalty", args.repetition_penalty, 1.0),
+                                 ("--sampling-scheme", args.sampling_scheme, "coupled")):  # fmt: skip
+        if value != neutral:
+            argv += [flag, str(value)]
+    return argv

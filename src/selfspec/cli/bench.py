@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidInputError
-from .args import add_model_args
+from .args import add_model_args, add_sampling_args, sampling_argv, sampling_params
 
 METHODS_SYNTAX = """\
 method specs (--methods):
@@ -64,10 +64,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    "translation, summarization, qa, math_reasoning, rag); --limit applies per category")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--methods", default="vanilla,asd", help='method specs, e.g. "vanilla,asd,hf" (see below)')
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling cut (default 1: none)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling cut (default 0: none)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i (default 0)")
+    add_sampling_args(p, seed_help="sampling seed; prompt i uses seed + i (default 0)", seed_default=0)
     p.add_argument("--out", type=Path, help="output directory (default runs/bench-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per method, discarded (default 1)")
@@ -90,12 +87,7 @@ def _command_line(args: argparse.Namespace) -> str:
         argv += ["--offset", str(args.offset)]
     argv += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods]
     argv += ["--warmup", str(args.warmup)]
-    if args.temperature:
-        argv += ["--temperature", str(args.temperature), "--seed", str(args.seed)]
-        if args.top_p < 1.0:
-            argv += ["--top-p", str(args.top_p)]
-        if args.top_k:
-            argv += ["--top-k", str(args.top_k)]
+    argv += sampling_argv(args)
     if args.threads is not None:
         argv += ["--threads", str(args.threads)]
     if args.device != "cpu":
@@ -111,12 +103,6 @@ def _command_line(args: argparse.Namespace) -> str:
     return shlex.join(argv)
 
 
-def _sampling(args: argparse.Namespace):
-    from ..core.sampling import SamplingParams
-
-    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-
-
 def _check_args(args: argparse.Namespace) -> list[str]:
     """Validate everything that needs no model; returns the dataset names."""
     for name, value, low in (
@@ -128,7 +114,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     ):
         if value < low:
             raise InvalidInputError(f"{name} must be >= {low}, got {value}")
-    _sampling(args)  # validates temperature, top-p, top-k
+    sampling_params(args)  # validates the sampling options
     if args.threads is not None and args.threads < 1:
         raise InvalidInputError(f"--threads must be >= 1, got {args.threads}")
     names = [s.strip() for s in args.stream.split(",") if s.strip()] if args.stream else [args.dataset or "xsum"]
@@ -197,7 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         threads=args.threads,
         progress=not args.no_progress,
-        sampling=_sampling(args),
+        sampling=sampling_params(args),
     )
     meta = {
         "dataset": None if args.stream else names[0],

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 from pathlib import Path
 
 from ..errors import InvalidInputError, SelfspecError
-from .args import add_model_args
+from .args import add_model_args, add_sampling_args, sampling_params
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -63,19 +64,10 @@ OPTION_NAMES = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_le
                 "patience", "score_threshold", "budget", "schedule", "epsilon", "tree")  # fmt: skip
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (default greedy; every method samples exactly from the model's distribution)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus cut (default 1: none)")
-    g.add_argument("--top-k", type=int, default=0, help="top-k cut (default 0: none)")
-    g.add_argument("--seed", type=int, help="makes a sampled run reproducible")
-
-
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    from ..core.sampling import SamplingParams
-
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before the model load
-    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
+    s = sampling_params(args)  # validated before the model load
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+            "repetition_penalty": s.repetition_penalty, "seed": s.seed, "sampling_scheme": s.scheme}  # fmt: skip
 
 
 def _method_options(args: argparse.Namespace) -> dict:
@@ -100,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     tmpl = p.add_mutually_exclusive_group()
     tmpl.add_argument("--raw", action="store_true", help="do not apply the chat template")
     tmpl.add_argument("--chat", action="store_true", help="apply the chat template (default when the model has one)")
-    _add_sampling_args(p)
-    p.add_argument("--compare", action="store_true", help="also run vanilla; report speedup (and identity when greedy)")
+    add_sampling_args(p)
+    p.add_argument("--compare", action="store_true",
+                   help="also run vanilla; report speedup and identity (greedy, or coupled sampling, one seed)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
     _add_method_args(p)
     p.set_defaults(func=cmd_generate)
@@ -204,6 +197,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
     prompt = _as_prompt(text, args, model)
     session = Session(model, args.method, **options)
+    # identity to vanilla is defined when greedy, or under coupled sampling with one seed for both runs
+    judged = args.temperature == 0 or args.sampling_scheme == "coupled"
+    if args.compare and sampling["seed"] is None and args.temperature:
+        sampling["seed"] = secrets.randbits(31)
     if args.compare:
         # warm-up so that neither run pays one-off costs (allocator, kernel selection)
         Session(model, "vanilla").generate(prompt, max_new_tokens=4)
@@ -214,7 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
             out["vanilla_stats"] = base.stats.to_dict()
             out["speedup"] = base.stats.total_time / result.stats.total_time
-            out["identical"] = base.token_ids == result.token_ids if args.temperature == 0 else None
+            out["identical"] = base.token_ids == result.token_ids if judged else None
         print(json.dumps(out))
         return 0
 
@@ -226,7 +223,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     base = None
     if args.compare:
         base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
-    identical = None if base is None or args.temperature else base.token_ids == session.last_result.token_ids
+    identical = None if base is None or not judged else base.token_ids == session.last_result.token_ids
     _print_stats(stats, None if base is None else base.stats, identical)
     return 0
 
@@ -257,7 +254,8 @@ def _print_stats(stats, base, identical) -> None:
     if base is not None:
         rows.append(("vanilla ms/token", f"{base.ms_per_token:.1f}"))
         rows.append(("speedup vs vanilla", f"{base.total_time / stats.total_time:.2f}x"))
-        rows.append(("identical to vanilla", "n/a (sampled)" if identical is None else "yes" if identical else "NO"))
+        same = "n/a (rejection sampling)" if identical is None else "yes" if identical else "NO"
+        rows.append(("identical to vanilla", same))
     for r in rows:
         table.add_row(*r)
     Console(stderr=True).print(table)

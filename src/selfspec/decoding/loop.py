@@ -10,8 +10,9 @@ One round, as in gpt-fast's speculative step and the papers' algorithms
               non-finite draft logits give a round without a draft;
 2. verify  -- one full-model forward over the linearised tree (a chain is the
               common case) with a tree attention mask;
-3. accept  -- the longest drafted path the full model agrees with (greedy) or
-              keeps (speculative sampling), plus its next token (the bonus);
+3. accept  -- the longest drafted path the full model agrees with (greedy and
+              coupled sampling: its own choice, by exact match) or keeps
+              (rejection sampling), plus its next token (the bonus);
 4. commit  -- move the accepted path's cache entries into place and commit them
               (rollback = length update); stop at EOS or the length limit;
 5. observe -- tell the drafter and the skip policy how the round went.
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.cache import KVCache
-from ..core.sampling import GREEDY, SamplingParams, sample, warp
+from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.skipset import SkipSet
 from ..errors import InvalidInputError, SelfspecError
 from ..model.engine import SublayerCosine
@@ -186,7 +187,7 @@ class Decoder:
                 tree = outcome.tree if outcome is not None else None
                 logits = self._verify(cache, c, token, tree)  # [T, V]
                 # 3. accept the longest path the full model agrees with (or keeps), plus its next token
-                path, bonus = self._accept(tree, logits)
+                path, bonus = self._accept(tree, logits, out)
                 t3 = time.perf_counter()
                 # 4. commit the accepted path's cache entries; stop at EOS or at the length limit
                 cache.move([c + n for n in path], c)
@@ -195,6 +196,7 @@ class Decoder:
                 new = _until_stop(accepted + [bonus], eos, room=N - len(out))
                 out.extend(new)
                 token = new[-1]
+                self._sampler.forget_before(len(out))
                 # 5. observe: the drafter and the skip policy learn from the round
                 self._observe(outcome, path, len(new), tally, times=(t0, t1, t2, t3))
                 tally.verified += len(tree) if tree is not None else 1
@@ -212,8 +214,8 @@ class Decoder:
         N, S = self.max_new_tokens, len(self.prompt_ids)
         pf = self.prefill or prefill(self.model, self.prompt_ids, max_new_tokens=N, max_nodes=self._max_nodes,
                                      cosine=self._wants_cosine)  # fmt: skip
-        self._gen = None if self.sampling.greedy else self.sampling.generator(self.model.engine.device)
-        token = pf.first_token if self._gen is None else sample(warp(pf.last_logits, self.sampling), self._gen)
+        self._sampler = Sampler(self.sampling, pf.last_logits.shape[-1], self.model.engine.device, S)
+        token = pf.first_token if self.sampling.greedy else self._sampler.next_token(pf.last_logits, pf.prompt_ids)
         pf.cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
         return pf, token
 
@@ -247,7 +249,7 @@ class Decoder:
             return None
         history = [*self.prompt_ids, *out]
         return self.drafter.propose(history, model=self.model, cache=cache, skip=skip, budget=budget,
-                                    sampling=self.sampling, generator=self._gen)  # fmt: skip
+                                    sampler=self._sampler)  # fmt: skip
 
     def _verify(self, cache: KVCache, c: int, token: int, tree: DraftTree | None) -> torch.Tensor:
         engine = self.model.engine
@@ -262,14 +264,19 @@ class Decoder:
         check_finite(logits, "verification")
         return logits
 
-    def _accept(self, tree: DraftTree | None, logits: torch.Tensor) -> tuple[list[int], int]:
+    def _accept(self, tree: DraftTree | None, logits: torch.Tensor, out: list[int]) -> tuple[list[int], int]:
+        """(accepted path, bonus); ``out``: the new tokens so far, the tree's root last."""
+        sampler, history = self._sampler, [*self.prompt_ids, *out]
         if tree is None or len(tree) == 1:
-            if self._gen is None:
-                return [0], int(logits[-1].argmax())
-            return [0], sample(warp(logits[-1], self.sampling), self._gen)
-        if self._gen is None:
-            return accept_greedy(tree, logits.argmax(-1).tolist())
-        return accept_sampling(tree, warp(logits, self.sampling), self._gen)
+            return [0], sampler.next_token(logits[-1], history)
+        if sampler.params.penalised:  # each node's history runs through its own path
+            histories = [[*history, *(tree.tokens[n] for n in tree.path_to(node)[1:])] for node in range(len(tree))]
+        else:
+            histories = [history] * len(tree)
+        if sampler.records_q:
+            return accept_sampling(tree, sampler.probs(logits, histories), sampler.generator)
+        first = len(out)  # output position of the token after the root
+        return accept_greedy(tree, sampler.choose(logits, [first + d for d in tree.depths], histories))
 
     def _observe(self, outcome: DraftOutcome | None, path: list[int], tokens: int, tally: _Tally,
                  times: tuple[float, float, float, float]) -> None:  # fmt: skip

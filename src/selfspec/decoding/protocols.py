@@ -18,10 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
 from ..core.cache import KVCache
-from ..core.sampling import SamplingParams
+from ..core.sampling import Sampler
 from ..core.skipset import SkipSet
 from ..model.engine import SublayerCosine
 from .trees import DraftTree
@@ -51,11 +49,11 @@ class Drafter(Protocol):
         cache: KVCache,
         skip: SkipSet | None,
         budget: int,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
+        sampler: Sampler,
     ) -> DraftOutcome | None:
         """Candidates after ``history`` (prompt + new tokens; the last one is not in the cache yet), or None
-        for a round without a draft.  Writes only beyond the cache's committed length."""
+        for a round without a draft.  Writes only beyond the cache's committed length.  ``sampler`` picks a
+        layer-skip draft's tokens (and says whether the tree must carry the draft distributions)."""
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip

@@ -28,11 +28,12 @@ returns the :class:`~selfspec.decoding.trees.DraftTree` to verify.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..core.sampling import GREEDY, SamplingParams, sample_without_replacement, warp
+from ..core.sampling import GREEDY_SAMPLER, Sampler
 from ..core.skipset import SkipSet
 from ..cost.economy import Economy
 from ..decoding.protocols import DraftOutcome
@@ -237,21 +238,24 @@ def draft_round(
     length: LengthPolicy,
     tree: TreePolicy | None = None,
     precision: torch.dtype | None = None,
-    sampling: SamplingParams = GREEDY,
-    generator: torch.Generator | None = None,
+    sampler: Sampler = GREEDY_SAMPLER,
+    history: Sequence[int] = (),
 ) -> DraftOutcome | None:
-    """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``).
+    """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``; ``history``: the
+    tokens up to and including it, for the sampler).
 
     Greedy: the chain follows the draft's argmax and the leaves are its next
-    best tokens.  Sampling: at each depth the chain token and the leaves are
-    successive draws without replacement from the warped draft distribution q,
-    which the tree keeps for the acceptance test.  The draft passes write
+    best tokens.  Coupled sampling: the same on the draft's log-weights plus
+    each position's noise.  Rejection sampling: at each depth the chain token
+    and the leaves are successive draws without replacement from the warped
+    draft distribution q, which the tree keeps for the acceptance test.  The draft passes write
     their keys and values beyond the committed length; verification overwrites
     them.  Non-finite draft logits (a skip set or a low precision that broke
     the draft model) end the draft: None when nothing was drafted yet, so that
     the round falls back to plain decoding.
     """
     device = engine.device
+    first_t = sampler.position(len(history))  # output position of the first drafted token
     tokens, parents = [root], [-1]
     qs: list[torch.Tensor | None] = [None]  # per node: the draft distribution its children were drawn from
     chain_probs: list[float] = []
@@ -266,16 +270,13 @@ def draft_round(
             if not chain_probs:
                 return None
             break  # keep the chain drafted so far
-        q = logits[-1].float().softmax(-1) if sampling.greedy else warp(logits[-1], sampling)  # [V]
-        top = q.topk(min(MAX_WIDTH, q.shape[-1]))
+        q = sampler.draft_distribution(logits[-1], sampler.extend(history, tokens[1:]))  # [V]
         extra = 0
         if tree is not None and n_leaves < tree.max_leaves:
             room = min(MAX_WIDTH - 1, tree.max_leaves - n_leaves)
-            extra = tree.leaves(top.values.tolist(), path_prob, len(tokens) + n_leaves + 1, room)
-        if sampling.greedy:
-            draws = top.indices[: 1 + extra].tolist()
-        else:
-            draws = sample_without_replacement(q, 1 + extra, generator)
+            top = q.topk(min(MAX_WIDTH, q.shape[-1])).values.tolist()
+            extra = tree.leaves(top, path_prob, len(tokens) + n_leaves + 1, room)
+        draws = sampler.draft_tokens(q, 1 + extra, t=first_t + parent)
         qs[parent] = q
         if len(draws) > 1:
             leaf_nodes.append((parent, draws[1:]))
@@ -296,7 +297,8 @@ def draft_round(
             tokens.append(tok)
             parents.append(chain_node)
             qs.append(None)
-    return DraftOutcome(DraftTree(tuple(tokens), tuple(parents), tuple(qs)), chain_probs, leaf_probs, len(chain_probs))
+    tree_q = tuple(qs) if sampler.records_q else ()
+    return DraftOutcome(DraftTree(tuple(tokens), tuple(parents), tree_q), chain_probs, leaf_probs, len(chain_probs))
 
 
 # -- the drafter: policies, precision and economy of one method ----------------------------------
@@ -381,22 +383,22 @@ class Drafter:
         root: int,
         skip: SkipSet,
         budget: int,
-        sampling: SamplingParams = GREEDY,
-        generator: torch.Generator | None = None,
+        sampler: Sampler = GREEDY_SAMPLER,
+        history: Sequence[int] = (),
     ) -> DraftOutcome | None:
         """One round's draft, or None when the length policy says this round is better spent without one."""
         if budget < 1 or not self.length.begin_round():
             return None
         return draft_round(
             model.engine, cache, start, root, skip=skip, budget=budget, length=self.length, tree=self.tree,
-            precision=self.torch_dtype(model), sampling=sampling, generator=generator,
+            precision=self.torch_dtype(model), sampler=sampler, history=history,
         )  # fmt: skip
 
     def propose(self, history, *, model, cache, skip: SkipSet | None, budget: int,
-                sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None) -> DraftOutcome | None:
+                sampler: Sampler = GREEDY_SAMPLER) -> DraftOutcome | None:
         """The :class:`~selfspec.decoding.protocols.Drafter` entry: draft after ``history[-1]``, which sits at
         the cache's committed length.  (A layer-skip draft reads the history through the cache.)"""
-        return self.draft(model, cache, cache.length, history[-1], skip, budget, sampling, generator)
+        return self.draft(model, cache, cache.length, history[-1], skip, budget, sampler, history)
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip

@@ -14,10 +14,10 @@ Saxena's prompt lookup decoding (2023; transformers' ``prompt_lookup_num_tokens`
 
 No model pass is made to draft, so the drafts cost nothing but verification slots: this
 pays where the output copies its input (summaries, code edits, answers quoting a
-document) and stays out of the way elsewhere.  Greedy output is exactly vanilla's (the
-full model verifies every token); under sampling each drafted token is a draw from a
-point mass, which speculative sampling's rule min(1, p/q) accepts with probability p:
-the output distribution stays exactly the model's.
+document) and stays out of the way elsewhere.  Greedy and coupled-sampling output is
+exactly vanilla's (the full model verifies every token by exact match); under rejection
+sampling each drafted token is a draw from a point mass, which the rule min(1, p/q)
+accepts with probability p: the output distribution stays exactly the model's.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core.sampling import SamplingParams
+from ..core.sampling import Sampler
 from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree
 from ..errors import InvalidInputError
@@ -68,8 +68,8 @@ class PromptLookupDrafter:
     def precision(self, model) -> str | None:
         return None
 
-    def propose(self, history: Sequence[int], *, model, cache, skip, budget: int, sampling: SamplingParams,
-                generator) -> DraftOutcome | None:  # fmt: skip
+    def propose(self, history: Sequence[int], *, model, cache, skip, budget: int,
+                sampler: Sampler) -> DraftOutcome | None:  # fmt: skip
         self._update_index(history)
         for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
             start = self._index.get(tuple(history[-n:]))
@@ -80,7 +80,7 @@ class PromptLookupDrafter:
                 return None
             draft = list(history[start : start + k])
             self._last_n = n
-            q = None if sampling.greedy else self._point_masses(draft, model, cache)
+            q = self._point_masses(draft, model) if sampler.records_q else None
             tree = DraftTree.chain(int(history[-1]), draft, q)
             return DraftOutcome(tree, [1.0] * k, {}, k, passes=0)
         return None
@@ -129,7 +129,7 @@ class PromptLookupDrafter:
         return best_k
 
     @staticmethod
-    def _point_masses(draft: list[int], model, cache) -> list[torch.Tensor | None]:
+    def _point_masses(draft: list[int], model) -> list[torch.Tensor | None]:
         """Per node, the draft distribution its child was drawn from: a point mass on the looked-up token."""
         vocab = model.adapter.vocab_size
         masses: list[torch.Tensor | None] = []

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.sampling import GREEDY, SamplingParams, sample, warp
+from ..core.sampling import GREEDY_SAMPLER, Sampler
 from ..core.skipset import SkipSet
 from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree
@@ -179,7 +179,7 @@ class S3DDrafter(Drafter):
         return self.s3d
 
     @torch.inference_mode()
-    def draft(self, model, cache, start, root, skip, budget, sampling: SamplingParams = GREEDY, generator=None):
+    def draft(self, model, cache, start, root, skip, budget, sampler: Sampler = GREEDY_SAMPLER, history=()):
         if budget < 1:
             return None
         s3d = self.adapter_for(model)
@@ -191,17 +191,14 @@ class S3DDrafter(Drafter):
         if not bool(torch.isfinite(logits).all()):
             return None  # a broken draft pass: this round decodes plainly
         tokens, qs, probs = [root], [], []
+        first_t = sampler.position(len(history))
         for j in range(g):
-            if sampling.greedy:
-                q = logits[j].float().softmax(-1)
-                tok = int(q.argmax())
-            else:
-                q = warp(logits[j], sampling)
-                tok = sample(q, generator)
+            q = sampler.draft_distribution(logits[j], sampler.extend(history, tokens[1:]))
+            tok = sampler.draft_tokens(q, 1, t=first_t + j)[0]
             tokens.append(tok)
             qs.append(q)
             probs.append(float(q[tok]))
-        tree = DraftTree(tuple(tokens), tuple(range(-1, g)), tuple(qs) + (None,))
+        tree = DraftTree(tuple(tokens), tuple(range(-1, g)), tuple(qs) + (None,) if sampler.records_q else ())
         return DraftOutcome(tree, probs, {}, steps=g, passes=1)
 
 
