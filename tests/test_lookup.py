@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from selfspec.core.sampling import GREEDY
+from selfspec.core.sampling import GREEDY_SAMPLER
 from selfspec.drafters.lookup import PromptLookupDrafter
 from selfspec.errors import InvalidInputError
 
@@ -28,8 +28,7 @@ def drafter(slope: float = 0.05, **kw) -> PromptLookupDrafter:
 
 
 def propose(d: PromptLookupDrafter, history: list[int], budget: int = 20):
-    return d.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=budget, sampling=GREEDY,
-                     generator=None)  # fmt: skip
+    return d.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=budget, sampler=GREEDY_SAMPLER)
 
 
 def test_proposes_what_followed_the_latest_earlier_occurrence():

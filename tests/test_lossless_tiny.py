@@ -34,6 +34,7 @@ def test_vanilla_matches_transformers_generate(tiny):
         ("static", {"skip_set": {"attention": [], "mlp": []}, "draft_length": 4}),  # draft == full model
         ("pld", {"draft_length": 3}),
         ("pld", {"max_ngram": 2, "min_ngram": 1, "draft_length": 1}),
+        ("auto", {"draft_dtype": "same", "schedule": "paper"}),
     ],
 )
 def test_speculative_equals_vanilla(tiny, method, options):

@@ -204,6 +204,8 @@ METHODS = {
     "swift-tree": ("swift", {"schedule": "paper", "epsilon": 0.0, "max_draft": 3, "skip_ratio": 0.3,
                              "draft_dtype": "same", "context_window": 4}),  # fmt: skip
     "pld": ("pld", {"draft_length": 2, "max_ngram": 1}),  # point-mass drafts looked up in the history
+    "auto": ("auto", {"schedule": "paper", "epsilon": 0.0, "max_draft": 3, "draft_dtype": "same",
+                      "context_window": 4, "max_ngram": 1}),  # fmt: skip
 }
 
 

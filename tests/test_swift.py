@@ -100,6 +100,29 @@ def test_a_drop_in_matchness_reopens_the_search(tiny_llama):
     assert state.steps > 3 and state.done  # searched again (and stopped again: max_steps counts every step)
 
 
+def test_the_search_gives_up_when_no_skip_set_pays(tiny_llama, monkeypatch):
+    """Where a draft step costs about what a full step does (our quantised models), no set is predicted to
+    pay: the search stops instead of spending its budget, and reopens if the text gets easier to draft."""
+    from selfspec.policies import swift
+
+    monkeypatch.setattr(swift, "predicted_speedup", lambda profile, skip, m, precision: 0.9 * m)
+    session = selfspec.Session(tiny_llama, "swift", **FAST, give_up_after=5)
+    for prompt in STREAM[:2]:
+        base = selfspec.generate(tiny_llama, prompt, "vanilla", max_new_tokens=40)
+        assert session.generate(prompt, max_new_tokens=40).token_ids == base.token_ids
+    state = session.skip_policy.state
+    assert state.done and state.stop_reason == swift.NO_SET_PAYS
+    steps = state.steps
+    policy = session.skip_policy
+    policy.config = dataclasses.replace(policy.config, reopen_drop=1.0)  # whatever the new text scores
+    session.generate(STREAM[2], max_new_tokens=40)
+    assert state.steps == steps, "no more steps once given up"
+    policy.config = dataclasses.replace(policy.config, reopen_drop=0.1)
+    state.matchness_at_stop = -1.0  # the next text scores far above what the best set scored at the stop
+    session.generate(STREAM[3], max_new_tokens=40)
+    assert state.steps > steps, "searched again"
+
+
 def test_matchness_of_the_full_model_is_one():
     """Teacher-forced over its own greedy output, the undamaged model predicts every next token."""
     model = tiny_model("llama", seed=5)

@@ -2,7 +2,7 @@
 
     import selfspec
     model = selfspec.load("smollm2-135m")
-    result = selfspec.generate(model, [{"role": "user", "content": "Hi!"}], method="asd", max_new_tokens=64)
+    result = selfspec.generate(model, [{"role": "user", "content": "Hi!"}], max_new_tokens=64)  # method "auto"
     print(result.text, result.stats.mean_generated_length)
 
 A :class:`Session` keeps what a method learns between prompts (for instance
@@ -46,7 +46,7 @@ class Session:
     thread (and one model per thread where generations run at the same time).
     """
 
-    def __init__(self, model: Model | str, method: str = "asd", **options: Any) -> None:
+    def __init__(self, model: Model | str, method: str = "auto", **options: Any) -> None:
         self.model = load(model) if isinstance(model, str) else model
         self.method = method
         self.options = options
@@ -137,7 +137,7 @@ def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def generate(
-    model: Model | str, prompt: Prompt, method: str = "asd", *, max_new_tokens: int = 128, **options: Any
+    model: Model | str, prompt: Prompt, method: str = "auto", *, max_new_tokens: int = 128, **options: Any
 ) -> GenerationResult:
     """Generate with ``method`` (see ``selfspec.METHODS``); the keywords of :meth:`Session.generate`
     (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``sampling_scheme``)
@@ -147,7 +147,7 @@ def generate(
 
 
 def stream(
-    model: Model | str, prompt: Prompt, method: str = "asd", *, max_new_tokens: int = 128, **options: Any
+    model: Model | str, prompt: Prompt, method: str = "auto", *, max_new_tokens: int = 128, **options: Any
 ) -> Iterator[str]:
     """Like :func:`generate`, yielding text pieces as soon as they are accepted."""
     method_options, sampling = _split(dict(options))

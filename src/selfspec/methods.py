@@ -91,7 +91,7 @@ METHODS: dict[str, MethodSpec] = {
 
 def _swift(opts: dict[str, Any]) -> SwiftPolicy:
     keys = ("context_window", "skip_ratio", "objective", "bo_interval", "max_steps", "patience", "score_threshold",
-            "search", "budget", "seed")  # fmt: skip
+            "search", "budget", "give_up_after", "seed")  # fmt: skip
     config = SwiftConfig(**{k: opts[k] for k in keys if k in opts})
     return SwiftPolicy(config, state_path=opts.get("state"))
 
@@ -136,6 +136,8 @@ METHODS["swift"] = MethodSpec(
         "patience": "... or after this many steps without improvement (default 300)",
         "score_threshold": "... or once the best set's matchness exceeds this (default 0.95)",
         "budget": "most optimisation time as a share of decoding time (default 0.1)",
+        "give_up_after": "objective speed: stop searching after this many steps without improvement when no set "
+        "is predicted to pay (default 40; searching again if the text gets easier to draft)",
         "seed": "random seed of the search (default 0)",
         "state": "JSON file to load the optimiser's state from and save it to (keyed by model)",
         "schedule": "'cost' (default: draft length and tree width from measured costs) or 'paper' "
@@ -204,6 +206,27 @@ METHODS["pld"] = MethodSpec(
     },
     None,
     _pld_drafter,
+)
+
+
+def _auto_drafter(opts: dict[str, Any]):
+    from .drafters.hybrid import HybridDrafter
+
+    lookup = _pld_drafter({k: opts[k] for k in ("max_ngram", "min_ngram") if k in opts})
+    return HybridDrafter(lookup, _swift_drafter(opts))
+
+
+# The hybrid: prompt lookup and SWIFT's self-drafts, one source per round by expected gain
+METHODS["auto"] = MethodSpec(
+    "auto",
+    "hybrid: each round, prompt lookup or SWIFT's layer-skip draft, whichever is expected to pay more (default)",
+    {
+        **{k: v for k, v in METHODS["swift"].options.items() if k not in ("draft_length",)},
+        "max_ngram": METHODS["pld"].options["max_ngram"],
+        "min_ngram": METHODS["pld"].options["min_ngram"],
+    },
+    _swift,
+    _auto_drafter,
 )
 
 

@@ -2,7 +2,7 @@
 
     selfspec models
     selfspec kernels                     # which kernel computes each product here, in GB/s against the bound
-    selfspec generate --prompt "Why is the sky blue?" --method asd --compare
+    selfspec generate --prompt "Why is the sky blue?" --compare
     selfspec generate --model gemma3-270m --raw --prompt "def fib(n):" --method static --skip-set '{"mlp": [4, 8]}'
     selfspec search --dataset xsum --limit 8 --iterations 200 --out skips.json
     selfspec bench --dataset humaneval --limit 10 --methods "asd,selfsd:skips.json,hf"
@@ -39,7 +39,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-ngram", type=int, help="pld: shortest n-gram looked up (1)")
     g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16"),
                    help="precision of the draft passes' weights (auto: the cheapest that agrees, measured)")
-    s = p.add_argument_group("swift options (defaults: the paper's, except where noted)")
+    s = p.add_argument_group("swift and auto options (defaults: the paper's, except where noted)")
     s.add_argument("--state", help="JSON file to load SWIFT's optimiser state from and save it to")
     s.add_argument("--context-window", type=int, help="tokens scored per optimisation step (32)")
     s.add_argument("--skip-ratio", help="share of inner sublayers skipped: auto (ours, default) or e.g. 0.45")
@@ -50,6 +50,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--patience", type=int, help="steps without improvement before stopping (300)")
     s.add_argument("--score-threshold", type=float, help="stop once matchness exceeds this (0.95)")
     s.add_argument("--budget", type=float, help="most optimisation time as a share of decoding time (ours, 0.1)")
+    s.add_argument("--give-up-after", type=int,
+                   help="stop searching after N steps without improvement when no set pays (ours, 40)")
     s.add_argument("--schedule", choices=("cost", "paper"),
                    help="draft length and tree width from measured costs (ours, default) or the paper's")
     s.add_argument("--epsilon", type=float, help="schedule=paper: early-stop threshold (0.8)")
@@ -61,7 +63,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 OPTION_NAMES = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
                 "max_ngram", "min_ngram",
                 "adapter", "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
-                "patience", "score_threshold", "budget", "schedule", "epsilon", "tree")  # fmt: skip
+                "patience", "score_threshold", "budget", "give_up_after", "schedule", "epsilon", "tree")  # fmt: skip
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -84,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with one method (optionally compared with vanilla)")
     add_model_args(p)
-    p.add_argument("--method", default="asd", help="vanilla, asd, swift, s3d, static, selfsd or pld (default asd)")
+    p.add_argument("--method", default="auto",
+                   help="auto (default: prompt lookup or SWIFT's self-draft, whichever pays), vanilla, asd, swift, "
+                        "s3d, static, selfsd or pld")  # fmt: skip
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")

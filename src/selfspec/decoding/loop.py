@@ -223,6 +223,9 @@ class Decoder:
         """Before the first round: the skip policy's first set, and the drafter bound to it."""
         if self.drafter is None:
             return None
+        begin = getattr(self.drafter, "begin", None)  # a drafter with per-generation statistics (hybrid)
+        if begin is not None:
+            begin()
         skip = None
         if self.skip_policy is not None:
             bind = getattr(self.skip_policy, "bind", None)
@@ -318,6 +321,7 @@ class Decoder:
             accept_lengths=tuple(tally.accept_lengths),
             verified_tokens=tally.verified,
             draft_precision=self.drafter.precision(self.model) if self.drafter is not None else None,
+            sources=self.drafter.source_stats() if hasattr(self.drafter, "source_stats") else None,
         )
 
 

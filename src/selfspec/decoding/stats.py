@@ -26,6 +26,7 @@ class GenerationStats:
     accept_lengths: tuple[int, ...] = field(default=(), repr=False)  # accepted drafts per round
     verified_tokens: int = 0  # tokens through verification passes (tree nodes included)
     draft_precision: str | None = None
+    sources: dict[str, dict[str, Any]] | None = None  # per draft source (hybrid): rounds, drafted, accepted, ms
 
     @property
     def mean_generated_length(self) -> float:

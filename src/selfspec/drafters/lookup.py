@@ -57,6 +57,7 @@ class PromptLookupDrafter:
         self._drafted = {n: 0.0 for n in range(1, max_ngram + 1)}
         self._accepted = {n: 0.0 for n in range(1, max_ngram + 1)}
         self._last_n = 0
+        self.last_gain = 0.0  # the expected tokens per vanilla step of the last proposal
 
     # -- the Drafter protocol -------------------------------------------------------------------
     def bind(self, model, skip) -> None:
@@ -78,6 +79,7 @@ class PromptLookupDrafter:
             k = min(self._length(n), budget, len(history) - start)
             if k < 1:
                 return None
+            self.last_gain = self._gain(n, k)
             draft = list(history[start : start + k])
             self._last_n = n
             q = self._point_masses(draft, model) if sampler.records_q else None
@@ -113,17 +115,20 @@ class PromptLookupDrafter:
         prior = PRIOR.get(n, 0.6)
         return (self._accepted[n] + PRIOR_WEIGHT * prior) / (self._drafted[n] + PRIOR_WEIGHT)
 
+    def _gain(self, n: int, k: int) -> float:
+        """Expected tokens per vanilla step of a k-token draft after an n-gram match (1: break-even)."""
+        if self._profile is None:
+            return float("inf")  # a fixed draft length: not priced
+        a = min(self.acceptance(n), 0.99)
+        return (1 - a ** (k + 1)) / (1 - a) / (self._profile.forward(k + 1) / self._profile.forward(1))
+
     def _length(self, n: int) -> int:
         """The draft length that maximises expected tokens per unit of cost (0: drafting does not pay)."""
         if self.fixed is not None:
             return self.fixed
-        profile = self._profile
-        a = min(self.acceptance(n), 0.99)
-        step = profile.forward(1)
         best_k, best = 0, MIN_GAIN
         for k in range(1, self.max_draft + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)
-            gain = tokens / (profile.forward(k + 1) / step)
+            gain = self._gain(n, k)
             if gain > best:
                 best_k, best = k, gain
         return best_k

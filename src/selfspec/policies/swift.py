@@ -59,6 +59,7 @@ from ..errors import InvalidInputError
 from ..io import atomic_write_text, read_json
 
 STATE_VERSION = 1
+NO_SET_PAYS = "no skip set pays"
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class SwiftConfig:
     search: str = "local"  # "local" (mutate the best) or "paper" (fresh random sets)
     budget: float = 0.1  # most optimisation time as a share of decoding time
     reopen_drop: float = 0.1
+    give_up_after: int = 40  # objective speed: stop after this many steps when no set is predicted to pay
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,7 +88,7 @@ class SwiftConfig:
             if not 0.0 < ratio < 1.0:
                 raise InvalidInputError(f"skip_ratio must be 'auto' or a number in (0, 1), got {self.skip_ratio!r}")
             object.__setattr__(self, "skip_ratio", ratio)
-        for name in ("bo_interval", "max_steps", "patience"):
+        for name in ("bo_interval", "max_steps", "patience", "give_up_after"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.score_threshold <= 1.0:
@@ -252,8 +254,13 @@ class SwiftPolicy:
         state = self.state
         m = self.matchness(ctx, state.best_set)
         state.best_score, state.best_matchness = self._objective(state.best_set, m), m
-        if state.done and state.matchness_at_stop is not None and m < state.matchness_at_stop - self.config.reopen_drop:
-            state.done, state.since_improvement, state.stop_reason = False, 0, ""  # the text changed: search again
+        if state.done and state.matchness_at_stop is not None:
+            drop = self.config.reopen_drop
+            # the text changed: search again (a set that stopped paying, or none paid and drafting got easier)
+            changed = m > state.matchness_at_stop + drop if state.stop_reason == NO_SET_PAYS else \
+                m < state.matchness_at_stop - drop  # fmt: skip
+            if changed:
+                state.done, state.since_improvement, state.stop_reason = False, 0, ""
 
     def _step(self, ctx) -> None:
         state, cfg = self.state, self.config
@@ -280,6 +287,9 @@ class SwiftPolicy:
             self._stop("patience")
         if not state.done and state.steps >= cfg.max_steps:
             self._stop("max steps")
+        if (not state.done and cfg.objective == "speed" and state.since_improvement >= cfg.give_up_after
+                and (state.best_score or 0.0) < 1.0):  # fmt: skip
+            self._stop(NO_SET_PAYS)  # drafting would lose time whatever is skipped: spend no more on searching
 
     def _stop(self, reason: str) -> None:
         state = self.state

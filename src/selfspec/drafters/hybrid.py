@@ -1,0 +1,109 @@
+"""Hybrid drafting (method ``auto``): each round, the draft source expected to earn the most per unit of cost.
+
+Two sources, complementary by the literature and by our measurements: prompt
+lookup (:mod:`.lookup`: no draft pass; pays where the output copies its input,
+e.g. summaries, RAG answers, code edits) and SWIFT's layer-skip self-draft
+(:mod:`.layerskip` with :class:`~selfspec.policies.swift.SwiftPolicy`: a token
+tree from the model with sublayers left out; pays on free text where a draft
+step is cheap next to a full one).  Each round:
+
+1. the lookup source looks for a match; its own pricing proposes the draft
+   length with the best expected tokens per unit of verification cost (none
+   where no length pays), from the acceptance it has observed per n-gram size;
+2. that expected gain (in tokens per vanilla step) is compared with the gain
+   the layer-skip source has *measured* over its recent rounds (tokens per
+   vanilla step's worth of round time, a running mean; it starts at break-even);
+3. the better source drafts.  The layer-skip source may still decline (its
+   cost-aware exit drafts nothing where not even one token pays, as on a
+   quantised model where a draft step costs about what a full one does), and
+   the round then decodes plainly.
+
+So a source whose drafts stop being accepted loses its gain and fades out;
+one that starts paying again is noticed (the lookup source re-prices every
+match, the layer-skip source explores every few idle rounds).  Both sources
+are exact by themselves (greedy, coupled and rejection sampling), so the
+hybrid is too: each round's tree comes from one source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from ..core.sampling import GREEDY_SAMPLER, Sampler
+from ..decoding.protocols import DraftOutcome
+from .layerskip import Drafter as LayerSkipDrafter
+from .lookup import PromptLookupDrafter
+
+SMOOTHING = 0.2  # weight of the newest round in the layer-skip source's measured gain
+
+
+@dataclass
+class SourceStats:
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    ms: float = 0.0  # draft + verification time of its rounds
+
+
+class HybridDrafter:
+    """Prompt lookup and layer-skip drafting, one source per round by expected gain (see the module docstring)."""
+
+    needs_profile = True
+
+    def __init__(self, lookup: PromptLookupDrafter, layerskip: LayerSkipDrafter) -> None:
+        self.lookup, self.layerskip = lookup, layerskip
+        self.skip_gain = 1.0  # layer-skip rounds' measured tokens per vanilla step (1: break-even)
+        self._source: str | None = None
+        self.sources = {"lookup": SourceStats(), "layerskip": SourceStats()}
+
+    # -- the Drafter protocol -------------------------------------------------------------------
+    @property
+    def max_nodes(self) -> int:
+        return max(self.lookup.max_nodes, self.layerskip.max_nodes)
+
+    def begin(self) -> None:
+        """Before a generation: per-source statistics start afresh (what the sources learned stays)."""
+        self.sources = {name: SourceStats() for name in self.sources}
+
+    def bind(self, model, skip) -> None:
+        self.lookup.bind(model, skip)
+        self.layerskip.bind(model, skip)
+
+    def precision(self, model) -> str | None:
+        return self.layerskip.precision(model)
+
+    def torch_dtype(self, model):
+        return self.layerskip.torch_dtype(model)
+
+    def propose(self, history: Sequence[int], *, model, cache, skip, budget: int,
+                sampler: Sampler = GREEDY_SAMPLER) -> DraftOutcome | None:  # fmt: skip
+        outcome = self.lookup.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler)
+        if outcome is not None and self.lookup.last_gain >= self.skip_gain:
+            self._source = "lookup"
+            return outcome
+        self._source = "layerskip"
+        return self.layerskip.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler)
+
+    def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
+                draft_ms: float, verify_ms: float) -> None:  # fmt: skip
+        source = self._source
+        if source is None:
+            return
+        drafter = self.lookup if source == "lookup" else self.layerskip
+        drafter.observe(outcome, path, tokens=tokens, round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms)
+        if outcome is not None and outcome.steps:
+            st = self.sources[source]
+            st.rounds += 1
+            st.drafted += outcome.steps
+            st.accepted += len(path) - 1
+            st.ms += draft_ms + verify_ms
+        if source == "layerskip" and outcome is not None and outcome.steps:
+            econ = self.layerskip.economy
+            step_ms = econ.verify_ms(1) if econ is not None else verify_ms
+            gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
+            self.skip_gain = (1 - SMOOTHING) * self.skip_gain + SMOOTHING * gain
+        self._source = None
+
+    def source_stats(self) -> dict[str, dict]:
+        return {name: asdict(st) for name, st in self.sources.items()}

@@ -1,0 +1,101 @@
+"""The hybrid drafter (method ``auto``): lossless, picks the source that pays, prices a garbage source out."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from test_lookup import FlatProfile
+
+import selfspec
+from selfspec.core.sampling import GREEDY_SAMPLER
+from selfspec.decoding.protocols import DraftOutcome
+from selfspec.decoding.trees import DraftTree
+from selfspec.drafters.hybrid import HybridDrafter
+from selfspec.drafters.lookup import PromptLookupDrafter
+
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on"
+
+
+class DeclineToDraft:
+    """A layer-skip stand-in that never drafts (as SWIFT's cost-aware exit on a model where drafts cost too much)."""
+
+    max_nodes = 8
+    economy = None
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, history, **kw):
+        self.calls += 1
+        return None
+
+    def observe(self, *a, **kw):
+        pass
+
+
+def test_a_lookup_source_whose_drafts_are_rejected_fades_out():
+    lookup = PromptLookupDrafter()
+    lookup._profile = FlatProfile(0.1)  # verifying k + 1 tokens costs 1 + 0.1 k steps
+    layerskip = DeclineToDraft()
+    hybrid = HybridDrafter(lookup, layerskip)
+    history = [1, 2, 3, 4] * 10
+    used = []
+    for _ in range(40):
+        out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20,
+                             sampler=GREEDY_SAMPLER)  # fmt: skip
+        used.append(out is not None)
+        hybrid.observe(out, [0], tokens=1, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)  # every draft rejected
+    assert all(used[:3]), "a fresh match is tried"
+    assert not any(used[-20:]), "after enough rejections the lookup source proposes nothing"
+    assert layerskip.calls >= 20, "the other source gets the rounds"
+
+
+def test_the_measured_gain_of_layer_skip_rounds_decides_against_a_weak_lookup():
+    lookup = PromptLookupDrafter()
+    lookup._profile = FlatProfile(0.02)
+    drafted = DraftOutcome(DraftTree.chain(4, [1, 2, 3]), [0.9] * 3, {}, 3)
+
+    class GoodSkipDrafts(DeclineToDraft):
+        def propose(self, history, **kw):
+            self.calls += 1
+            return drafted
+
+    layerskip = GoodSkipDrafts()
+    hybrid = HybridDrafter(lookup, layerskip)
+    history = [1, 2, 3, 4] * 10
+    for _ in range(12):  # layer-skip rounds that earn 4 tokens for 1.5 steps of time
+        hybrid._source = "layerskip"
+        hybrid.observe(drafted, [0, 1, 2, 3], tokens=4, round_ms=1.5, draft_ms=0.5, verify_ms=1.0)
+    assert hybrid.skip_gain > 2.0
+    out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20, sampler=GREEDY_SAMPLER)
+    assert out is drafted and lookup.last_gain < hybrid.skip_gain
+
+
+@pytest.mark.parametrize("options", [{}, {"draft_dtype": "same", "schedule": "paper", "max_ngram": 2}])
+def test_auto_equals_vanilla_and_uses_both_sources(tiny_llama, options):
+    base = selfspec.generate(tiny_llama, PROMPT, "vanilla", max_new_tokens=48)
+    session = selfspec.Session(tiny_llama, "auto", **options)
+    for _ in range(2):
+        out = session.generate(PROMPT, max_new_tokens=48)
+        assert out.token_ids == base.token_ids
+    sources = out.stats.sources
+    assert set(sources) == {"lookup", "layerskip"}
+    assert sum(s["drafted"] for s in sources.values()) == out.stats.drafted
+    assert sum(s["accepted"] for s in sources.values()) == out.stats.accepted
+
+
+def test_garbage_lookup_drafts_never_change_the_output(tiny_llama, monkeypatch):
+    real = PromptLookupDrafter.propose
+
+    def garbage(self, history, **kw):
+        out = real(self, history, **kw)
+        if out is None:
+            return None
+        bad = [(t + 7) % 50 for t in out.tree.tokens[1:]]
+        return DraftOutcome(DraftTree.chain(out.tree.tokens[0], bad), out.chain_probs, {}, out.steps, passes=0)
+
+    monkeypatch.setattr(PromptLookupDrafter, "propose", garbage)
+    base = selfspec.generate(tiny_llama, PROMPT, "vanilla", max_new_tokens=48)
+    out = selfspec.generate(tiny_llama, PROMPT, "auto", max_new_tokens=48)
+    assert out.token_ids == base.token_ids
