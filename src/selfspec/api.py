@@ -107,25 +107,44 @@ class Session:
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; ``last_result`` is set at the end."""
         params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme)
-        decoder = self._decoder(prompt, max_new_tokens, params)
+        for piece in self.pieces(prompt, max_new_tokens=max_new_tokens, sampling=params):
+            yield piece.text
+
+    def pieces(self, prompt: Prompt, *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+               ) -> Iterator[Piece]:  # fmt: skip
+        """Per round of decoding, the new text with how many tokens it holds and how many of those came from
+        the draft (a server marks them); ``last_result`` is set at the end.  Closing the iterator stops the
+        generation after the current round."""
+        decoder = self._decoder(prompt, max_new_tokens, sampling or SamplingParams())
         ids: list[int] = []
-        shown = ""
+        shown, tokens, drafted, first = "", 0, 0, True
         rounds = iter(decoder)
         try:
             for new in rounds:
                 ids.extend(new)
+                tokens += len(new)
+                drafted += 0 if first else len(new) - 1  # a round: accepted drafts, then the full model's token
+                first = False
                 text = self.model.decode(ids)
                 if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
                     continue
                 if len(text) > len(shown) and text.startswith(shown):
-                    yield text[len(shown) :]
+                    yield Piece(text[len(shown) :], tokens, drafted)
+                    tokens = drafted = 0
                 shown = text
         finally:  # a consumer that stops early closes the decoder now, so the method saves its state
             rounds.close()
         final = self.model.decode(ids)
         self.last_result = GenerationResult(final, tuple(ids), decoder.stats)
         if len(final) > len(shown) and final.startswith(shown):
-            yield final[len(shown) :]
+            yield Piece(final[len(shown) :], tokens, drafted)
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    tokens: int  # new tokens behind this text
+    drafted: int  # of which accepted from the draft
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme")

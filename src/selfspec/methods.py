@@ -136,8 +136,8 @@ METHODS["swift"] = MethodSpec(
         "patience": "... or after this many steps without improvement (default 300)",
         "score_threshold": "... or once the best set's matchness exceeds this (default 0.95)",
         "budget": "most optimisation time as a share of decoding time (default 0.1)",
-        "give_up_after": "objective speed: stop searching after this many steps without improvement when no set "
-        "is predicted to pay (default 40; searching again if the text gets easier to draft)",
+        "give_up_after": "objective speed: stop searching after this many steps if still no set is predicted to "
+        "pay (default 40; searching again if the text gets easier to draft)",
         "seed": "random seed of the search (default 0)",
         "state": "JSON file to load the optimiser's state from and save it to (keyed by model)",
         "schedule": "'cost' (default: draft length and tree width from measured costs) or 'paper' "
@@ -217,15 +217,24 @@ def _auto_drafter(opts: dict[str, Any]):
 
 
 # The hybrid: prompt lookup and SWIFT's self-drafts, one source per round by expected gain
+def _auto_skip(opts: dict[str, Any]) -> SwiftPolicy:
+    return _swift({"budget": AUTO_SEARCH_BUDGET, **opts})
+
+
+# SWIFT's search within the hybrid gets a smaller share of the time: a scoring pass costs ~10 decoding steps on
+# our quantised models, where the lookup source usually pays more than any skip set (measured, README)
+AUTO_SEARCH_BUDGET = 0.03
+
 METHODS["auto"] = MethodSpec(
     "auto",
     "hybrid: each round, prompt lookup or SWIFT's layer-skip draft, whichever is expected to pay more (default)",
     {
         **{k: v for k, v in METHODS["swift"].options.items() if k not in ("draft_length",)},
+        "budget": f"most skip-set search time as a share of decoding time (default {AUTO_SEARCH_BUDGET})",
         "max_ngram": METHODS["pld"].options["max_ngram"],
         "min_ngram": METHODS["pld"].options["min_ngram"],
     },
-    _swift,
+    _auto_skip,
     _auto_drafter,
 )
 

@@ -51,7 +51,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--score-threshold", type=float, help="stop once matchness exceeds this (0.95)")
     s.add_argument("--budget", type=float, help="most optimisation time as a share of decoding time (ours, 0.1)")
     s.add_argument("--give-up-after", type=int,
-                   help="stop searching after N steps without improvement when no set pays (ours, 40)")
+                   help="stop searching after N steps if still no set pays (ours, 40)")
     s.add_argument("--schedule", choices=("cost", "paper"),
                    help="draft length and tree width from measured costs (ours, default) or the paper's")
     s.add_argument("--epsilon", type=float, help="schedule=paper: early-stop threshold (0.8)")

@@ -1,0 +1,294 @@
+"""The HTTP routes: OpenAI's chat and text completions (plain and SSE-streamed), models, health, metrics, and
+the playground page; authentication, body and prompt limits, and OpenAI-style errors for every bad request."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+
+from ..decoding.loop import check_lengths
+from ..errors import InvalidInputError
+from ..methods import METHODS
+from .schemas import ApiError, ChatRequest, CompletionRequest
+from .worker import Job, QueueFull, Worker, loop_emitter
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 1_000_000
+    max_tokens: int = 2048  # most new tokens one request may ask for
+    default_max_tokens: int = 256  # a chat request that names no limit
+    retry_after_s: int = 2
+
+
+def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, worker.stop)  # SIGINT/SIGTERM: save the state
+
+    app = FastAPI(title="selfspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    model_name = worker.model.name
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        try:
+            if path.startswith("/v1/") and api_key is not None:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                   type="authentication_error")  # fmt: skip
+            size = request.headers.get("content-length")
+            if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
+                raise ApiError(413, f"request body larger than {limits.max_body_bytes} bytes")
+            response = await call_next(request)
+        except ApiError as exc:
+            response = _error(exc)
+        worker.metrics.request(path if path in KNOWN_PATHS else "other", response.status_code)
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return _error(_from_validation(exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "queue": worker.queue_length}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(worker.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "selfspec"}]}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return HTMLResponse(resources.files(__package__).joinpath("playground.html").read_text())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = _parse(ChatRequest, await _json(request, limits))
+        return await _complete(request, body, body.prompt(), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = _parse(CompletionRequest, await _json(request, limits))
+        if not body.prompt.strip():
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return await _complete(request, body, body.prompt, chat=False)
+
+    async def _complete(request: Request, body, prompt: Any, *, chat: bool):
+        body.check_supported()
+        if body.model is not None and body.model != model_name:
+            raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{model_name}'",
+                           param="model", type="not_found_error")  # fmt: skip
+        method = (body.selfspec.method if body.selfspec else None) or worker.method
+        if method not in worker.allowed:
+            raise ApiError(400, f"method '{method}' is not allowed here; allowed: {', '.join(worker.allowed)}",
+                           param="selfspec.method")  # fmt: skip
+        limit = body.limit() or limits.default_max_tokens
+        if limit > limits.max_tokens:
+            raise ApiError(400, f"max_tokens is {limit}; this server allows at most {limits.max_tokens}",
+                           param="max_tokens")  # fmt: skip
+        try:
+            sampling = body.sampling()
+            ids = worker.model.encode(prompt)
+            check_lengths(worker.model, len(ids), limit)
+        except InvalidInputError as exc:
+            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(prompt, method, sampling, limit, body.stops(), loop_emitter(loop, events))
+        try:
+            worker.submit(job)
+        except QueueFull:
+            raise ApiError(429, "the server is busy (queue full); retry later", type="rate_limit_error",
+                           headers={"Retry-After": str(limits.retry_after_s)}) from None  # fmt: skip
+        reply = _Reply(job.id, model_name, chat, len(ids))
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_sse(request, job, events, reply, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return await _gather(request, job, events, reply)
+
+    return app
+
+
+KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+
+
+@dataclass
+class _Reply:
+    """Builds the OpenAI response objects of one request."""
+
+    id: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}  # fmt: skip
+
+    def whole(self, text: str, reason: str, stats) -> dict[str, Any]:
+        tokens = stats.new_tokens if stats is not None else 0
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(tokens),
+                "selfspec": _stats(stats)}  # fmt: skip
+
+    def chunk(self, text: str | None, reason: str | None = None, extra: dict | None = None,
+              role: bool = False) -> dict[str, Any]:  # fmt: skip
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [choice]}  # fmt: skip
+        if extra:
+            out["selfspec"] = extra
+        return out
+
+
+def _stats(stats) -> dict[str, Any] | None:
+    if stats is None:
+        return None
+    return {"method": stats.method, "new_tokens": stats.new_tokens, "drafted": stats.drafted,
+            "accepted": stats.accepted, "acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_generated_length": round(stats.mean_generated_length, 4),
+            "tokens_per_second": round(stats.tokens_per_second, 2), "stop_reason": stats.stop_reason}  # fmt: skip
+
+
+async def _next(request: Request, job: Job, events: asyncio.Queue):
+    """The job's next event; cancels the job when the client has gone away."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=0.5)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancel.set()
+                return ("gone", None)
+
+
+async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Reply):
+    parts: list[str] = []
+    try:
+        while True:
+            kind, payload = await _next(request, job, events)
+            if kind == "piece":
+                parts.append(payload[0])
+            elif kind == "done":
+                reason, stats = payload
+                return JSONResponse(reply.whole("".join(parts), reason, stats))
+            elif kind == "error":
+                status, message = payload
+                raise ApiError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
+            else:  # gone
+                return JSONResponse({}, status_code=499)
+    finally:
+        job.cancel.set()  # (a no-op once done)
+
+
+async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply, include_usage: bool
+               ) -> AsyncIterator[str]:  # fmt: skip
+    try:
+        yield _event(reply.chunk("" if reply.chat else None, role=True))
+        while True:
+            kind, payload = await _next(request, job, events)
+            if kind == "piece":
+                text, tokens, drafted = payload
+                if text or tokens:
+                    yield _event(reply.chunk(text, extra={"tokens": tokens, "drafted": drafted}))
+            elif kind == "done":
+                reason, stats = payload
+                yield _event(reply.chunk(None, reason, extra=_stats(stats)))
+                if include_usage:
+                    usage = reply.chunk(None)
+                    usage["choices"], usage["usage"] = [], reply.usage(stats.new_tokens if stats else 0)
+                    yield _event(usage)
+                yield "data: [DONE]\n\n"
+                return
+            elif kind == "error":
+                status, message = payload
+                yield _event(ApiError(status, message).body())
+                return
+            else:
+                return
+    finally:
+        job.cancel.set()  # the client went away (or the stream ended): stop at the next round
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _json(request: Request, limits: Limits) -> Any:
+    raw = await request.body()
+    if len(raw) > limits.max_body_bytes:
+        raise ApiError(413, f"request body larger than {limits.max_body_bytes} bytes")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def _parse(model_cls, data: Any):
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise _from_validation(exc.errors()) from None
+
+
+def _from_validation(errors: list[dict]) -> ApiError:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field (not part of the API, or not supported here)"
+    return ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def allowed_methods(default: str) -> tuple[str, ...]:
+    """Methods a request may choose: every method needing no trained adapter or skip-set file."""
+    usable = tuple(m for m in METHODS if m not in ("s3d", "static", "selfsd"))
+    return usable if default in usable else (*usable, default)

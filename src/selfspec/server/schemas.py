@@ -1,0 +1,113 @@
+"""Request bodies of the OpenAI endpoints we serve, validated strictly, and the errors they answer with.
+
+Unknown fields are refused (a typo must not be silently ignored); fields of the
+OpenAI schema that we do not implement (``logprobs``, ``tools``, ``n`` > 1,
+penalties other than 0) are refused with a message saying so.  Our own
+extensions ride in the body as the ``openai`` client's ``extra_body`` puts them:
+``top_k``, ``min_p``, ``repetition_penalty`` and ``selfspec: {"method": ...,
+"sampling_scheme": ...}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core.sampling import SCHEMES, SamplingParams
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, the offending parameter."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class SelfspecOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: str | None = None
+    sampling_scheme: Literal["coupled", "rejection"] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default is 1
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    selfspec: SelfspecOptions | None = None
+
+    def sampling(self) -> SamplingParams:
+        scheme = (self.selfspec.sampling_scheme if self.selfspec else None) or "coupled"
+        assert scheme in SCHEMES
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.min_p,
+                              self.repetition_penalty, scheme)  # fmt: skip
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ApiError(400, "stop: at most 4 non-empty strings", param="stop")
+        return stops
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported; use repetition_penalty", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options needs stream=true", param="stream_options")
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def prompt(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+class CompletionRequest(_Common):
+    prompt: str
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo")

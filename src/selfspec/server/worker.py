@@ -1,0 +1,213 @@
+"""The generation worker: one model, one generation at a time, from a bounded queue, in arrival order.
+
+A :class:`Job` is queued by a request handler and decoded by the worker's
+thread; the pieces of text it produces are handed to the handler's event loop
+as they are accepted (streamed, or gathered for a plain response).  A job whose
+client went away is cancelled: its generation stops at the next round.  When
+the queue is full, :meth:`Worker.submit` refuses at once (the server answers
+429 with Retry-After) rather than building an unbounded backlog.
+
+Learned state (SWIFT's skip sets and optimiser, what the drafters learned)
+lives in one :class:`~selfspec.Session` per method for as long as the server
+runs; with ``state_path``, SWIFT's state is loaded at start, saved after every
+request (atomically, by the policy) and at shutdown.  An unreadable state file
+is set aside with a warning, and the server starts fresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..api import Session
+from ..core.sampling import SamplingParams
+from ..errors import SelfspecError
+from ..model.models import Model
+from .metrics import Metrics
+
+STATEFUL = ("swift", "auto")  # methods whose learned state goes into the state file
+
+
+@dataclass
+class Job:
+    prompt: Any  # chat messages or raw text
+    method: str
+    sampling: SamplingParams
+    max_tokens: int
+    stops: list[str]
+    emit: Callable[[str, Any], None]  # (kind, payload), called from the worker thread
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    cancel: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+def loop_emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[str, Any], None]:
+    """An ``emit`` for :class:`Job` that hands events to an asyncio queue from another thread."""
+    return lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+
+
+class QueueFull(Exception):
+    pass
+
+
+class StopScanner:
+    """Cuts the text at the first stop string; holds back a tail that may be the start of one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.text, self.sent = stops, "", 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """(text that can be sent now, whether a stop string was met)."""
+        self.text += piece
+        hits = [i for s in self.stops if (i := self.text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
+        if hits:
+            out, self.sent = self.text[self.sent : min(hits)], min(hits)
+            return out, True
+        ready = len(self.text) - self.hold
+        if ready <= self.sent:
+            return "", False
+        out, self.sent = self.text[self.sent : ready], ready
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+class Worker:
+    def __init__(self, model: Model, method: str, *, allowed: tuple[str, ...], queue_size: int = 8,
+                 state_path: str | Path | None = None, options: dict[str, Any] | None = None) -> None:  # fmt: skip
+        self.model, self.method, self.allowed = model, method, allowed
+        self.options = dict(options or {})
+        self.state_path = Path(state_path) if state_path else None
+        self.metrics = Metrics()
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self._sessions: dict[str, Session] = {}
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="selfspec-worker", daemon=True)
+        if self.state_path is not None and self.state_path.is_file() and _state_unreadable(self.state_path):
+            _set_aside(self.state_path, "is not JSON")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Build the default method (its costs measured now, not in a request) and load its state; serve."""
+        session = self.session(self.method)
+        bind = getattr(session.skip_policy, "bind", None)
+        if bind is not None and self.state_path is not None:
+            try:
+                bind(self.model, session.draft_policy)  # loads the saved state now
+            except SelfspecError as exc:
+                _set_aside(self.state_path, f"cannot be used ({exc})")
+                del self._sessions[self.method]
+                self.session(self.method)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the running generation, refuse the rest, save the learned state."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit("error", (503, "the server is shutting down"))
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self.save_state()
+
+    def save_state(self) -> None:
+        for session in self._sessions.values():
+            save = getattr(session.skip_policy, "save", None)
+            if save is not None:
+                try:
+                    save()
+                except (OSError, SelfspecError) as exc:
+                    print(f"selfspec serve: could not save the state: {exc}", file=sys.stderr)
+
+    # -- requests ------------------------------------------------------------------------------
+    @property
+    def queue_length(self) -> int:
+        return self._queue.qsize() + (1 if self._busy else 0)
+
+    def session(self, method: str) -> Session:
+        if method not in self._sessions:
+            options = dict(self.options) if method == self.method else {}
+            if method in STATEFUL and self.state_path is not None:
+                options["state"] = str(self.state_path)
+            self._sessions[method] = Session(self.model, method, **options)
+        return self._sessions[method]
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+        self.metrics.queue_length = self.queue_length
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._busy = True
+            self.metrics.queue_length = self.queue_length
+            try:
+                self._generate(job)
+            except SelfspecError as exc:
+                job.emit("error", (400, str(exc)))
+            except Exception as exc:  # a bug must not kill the worker: answer 500 and go on
+                job.emit("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
+            finally:
+                self._busy = False
+                self.metrics.queue_length = self.queue_length
+
+    def _generate(self, job: Job) -> None:
+        if job.cancel.is_set():
+            return
+        session = self.session(job.method)
+        scanner = StopScanner(job.stops)
+        pieces = session.pieces(job.prompt, max_new_tokens=job.max_tokens, sampling=job.sampling)
+        stopped = False
+        try:
+            for piece in pieces:
+                text, stopped = scanner.feed(piece.text)
+                job.emit("piece", (text, piece.tokens, piece.drafted))
+                if stopped or job.cancel.is_set():
+                    break
+        finally:
+            pieces.close()  # stops the decoder at this round; the method saves what it learned
+        if not stopped:
+            tail = scanner.flush()
+            if tail:
+                job.emit("piece", (tail, 0, 0))
+        result = session.last_result
+        stats = result.stats if result is not None else None
+        reason = "stop" if stopped or (stats is not None and stats.stop_reason == "eos") else "length"
+        if stats is not None and not job.cancel.is_set():
+            self.metrics.observe(stats)
+        job.emit("done", (reason, stats))
+
+
+def _state_unreadable(path: Path) -> bool:
+    try:
+        return not isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):
+        return True
+
+
+def _set_aside(path: Path, why: str) -> None:
+    """An unreadable state file: warn, move it aside (it may be someone's work), start fresh."""
+    aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+    path.replace(aside)
+    print(f"selfspec serve: warning: the state file {path} {why}; moved it to {aside}, starting with a fresh "
+          "state", file=sys.stderr)  # fmt: skip
