@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(sub)
+    from .serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -74,7 +74,8 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "queue": worker.queue_length}
+        return {"status": "ok", "model": model_name, "queue": worker.queue_length, "method": worker.method,
+                "methods": list(worker.allowed), "state_loaded": worker.state_loaded}
 
     @app.get("/metrics")
     async def metrics():
@@ -137,6 +138,11 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
     return app
 
 
+UNSUPPORTED_OPENAI_FIELDS = {
+    "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+    "response_format", "logit_bias", "suffix", "best_of", "modalities", "audio", "prediction", "reasoning_effort",
+    "service_tier", "store", "metadata",
+}  # fmt: skip
 KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
 
 
@@ -280,7 +286,8 @@ def _from_validation(errors: list[dict]) -> ApiError:
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     msg = first.get("msg", "invalid value")
     if first.get("type") == "extra_forbidden":
-        msg = "unknown field (not part of the API, or not supported here)"
+        field = str(first.get("loc", ("",))[-1])
+        msg = "not supported by this server" if field in UNSUPPORTED_OPENAI_FIELDS else "unknown field"
     return ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
 
 

@@ -94,6 +94,7 @@ class Worker:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._sessions: dict[str, Session] = {}
         self._busy = False
+        self.state_loaded = False  # whether a saved state was loaded at start
         self._thread = threading.Thread(target=self._run, name="selfspec-worker", daemon=True)
         if self.state_path is not None and self.state_path.is_file() and _state_unreadable(self.state_path):
             _set_aside(self.state_path, "is not JSON")
@@ -104,8 +105,10 @@ class Worker:
         session = self.session(self.method)
         bind = getattr(session.skip_policy, "bind", None)
         if bind is not None and self.state_path is not None:
+            existed = self.state_path.is_file()
             try:
                 bind(self.model, session.draft_policy)  # loads the saved state now
+                self.state_loaded = existed
             except SelfspecError as exc:
                 _set_aside(self.state_path, f"cannot be used ({exc})")
                 del self._sessions[self.method]
@@ -124,6 +127,8 @@ class Worker:
         self._queue.put(None)
         self._thread.join(timeout)
         self.save_state()
+        if self.state_path is not None:
+            print(f"selfspec serve: state saved to {self.state_path}", file=sys.stderr)
 
     def save_state(self) -> None:
         for session in self._sessions.values():

@@ -1,0 +1,56 @@
+"""``selfspec serve``: the OpenAI-compatible server (see :mod:`selfspec.server`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import InvalidInputError
+from .args import add_model_args
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (chat and text completions, streaming) with a playground page at /",
+        description="Serve one model over OpenAI's HTTP API: POST /v1/chat/completions and /v1/completions "
+        "(stream or not), GET /v1/models, /health, /metrics (Prometheus) and a chat playground at /. Requests are "
+        "decoded one at a time in arrival order, from a bounded queue (batch size 1: what our methods decode).",
+    )
+    add_model_args(p)
+    p.add_argument("--method", default="auto", help="default method of requests (auto)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--state", help="JSON file holding what the methods learn (SWIFT's skip sets): loaded at start, "
+                   "saved after each request and at shutdown")  # fmt: skip
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    p.add_argument("--queue-size", type=int, default=8, help="requests waiting at most; more get 429 (8)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="most new tokens a request may ask for (2048)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..methods import METHODS
+    from ..model.models import load
+    from ..server.app import Limits, allowed_methods, create_app
+    from ..server.worker import Worker
+
+    if args.method not in METHODS:
+        raise InvalidInputError(f"unknown method '{args.method}'; choose one of {', '.join(METHODS)}")
+    if not 1 <= args.port <= 65535:
+        raise InvalidInputError(f"--port must be in 1..65535, got {args.port}")
+    if args.queue_size < 1 or args.max_tokens < 1:
+        raise InvalidInputError("--queue-size and --max-tokens must be at least 1")
+    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
+    worker = Worker(model, args.method, allowed=allowed_methods(args.method), queue_size=args.queue_size,
+                    state_path=args.state)  # fmt: skip
+    worker.start()
+    app = create_app(worker, api_key=args.api_key, limits=Limits(max_tokens=args.max_tokens))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print(f"selfspec serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    print(f"selfspec serve: {model.name}, method {args.method}, on http://{args.host}:{args.port}/ "
+          "(playground at /, OpenAI API under /v1)", file=sys.stderr)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,245 @@
+"""`selfspec serve` end to end: the real server on a free loopback port, the official `openai` client, the
+built-in model.  Greedy output equals `selfspec.generate` (and vanilla); seeded sampling reproduces vanilla
+sampling; bad requests get OpenAI-style 4xx errors; a bounded load test; the state survives a restart; a corrupt
+state file is set aside."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from openai import OpenAI, RateLimitError
+
+import selfspec
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def post(url: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+class Server:
+    def __init__(self, *args: str, state: Path | None = None) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "selfspec.cli", "serve", "--model", MODEL, "--port", str(self.port), *args]
+        if state is not None:
+            cmd += ["--state", str(state)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.proc.stderr.read()}")
+            try:
+                if get(f"{self.url}/health")["status"] == "ok":
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError("the server did not come up")
+
+    def client(self, **kw) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "unused"), **kw)
+
+    def stop(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        return self.proc.returncode, self.proc.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server("--queue-size", "2", "--max-tokens", "512", state=tmp_path_factory.mktemp("state") / "s.json")
+    yield srv
+    srv.stop()
+
+
+def test_chat_equals_generate_and_vanilla(server, smollm2):
+    client = server.client()
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
+    ours = selfspec.generate(smollm2, CHAT, "auto", max_new_tokens=40)
+    vanilla = selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=40)
+    assert ours.token_ids == vanilla.token_ids
+    assert out.choices[0].message.content == vanilla.text
+    assert out.usage.completion_tokens == len(vanilla.token_ids)
+    assert out.usage.prompt_tokens == len(smollm2.encode(CHAT))
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.model_extra["selfspec"]["method"] == "auto"
+    for method in ("pld", "swift"):  # a per-request method
+        other = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+                                               extra_body={"selfspec": {"method": method}})  # fmt: skip
+        assert other.choices[0].message.content == vanilla.text
+        assert other.model_extra["selfspec"]["method"] == method
+
+
+def test_streamed_chat_equals_the_plain_reply(server, smollm2):
+    client = server.client()
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == plain.choices[0].finish_reason
+    counted = sum(c.model_extra["selfspec"]["tokens"] for c in chunks if c.choices and not c.choices[0].finish_reason
+                  and c.model_extra.get("selfspec") and "tokens" in c.model_extra["selfspec"])  # fmt: skip
+    assert counted == plain.usage.completion_tokens
+
+
+def test_text_completion_and_stop_strings(server, smollm2):
+    client = server.client()
+    prompt = "The capital of France is"
+    vanilla = selfspec.generate(smollm2, prompt, "vanilla", max_new_tokens=24)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert out.choices[0].text == vanilla.text
+    stop = vanilla.text[5:8]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == vanilla.text[: vanilla.text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_vanilla_samplings_tokens(server, smollm2):
+    client = server.client()
+    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 30, "temperature": 0.8, "top_p": 0.95, "seed": 7}
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw, extra_body={"selfspec": {"method": "swift"}}).choices[0].message.content
+    vanilla = selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=30, temperature=0.8, top_p=0.95, seed=7)
+    assert a == b == vanilla.text
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ("{not json", 400, "not valid JSON"),
+        ({"messages": CHAT, "temperature": 3}, 400, "temperature"),
+        ({"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": CHAT, "max_tokens": 100000}, 400, "at most 512"),
+        ({"messages": CHAT, "n": 2}, 400, "n=1"),
+        ({"messages": CHAT, "logprobs": True}, 400, "not supported"),
+        ({"messages": CHAT, "colour": "blue"}, 400, "unknown field"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "user", "content": "x " * 20000}]}, 400, "context"),
+        ({"messages": CHAT, "model": "gpt-9"}, 404, "not served here"),
+        ({"messages": CHAT, "selfspec": {"method": "magic"}}, 400, "not allowed"),
+        ({"messages": CHAT, "presence_penalty": 1.0}, 400, "repetition_penalty"),
+    ],
+)
+def test_bad_requests_get_openai_style_errors(server, body, status, words):
+    data = body if isinstance(body, str) else json.dumps(body)
+    code, reply = post(f"{server.url}/v1/chat/completions", data.encode())
+    assert code == status, reply
+    error = reply["error"]
+    assert words in error["message"] and error["type"]
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation(server):
+    body = json.dumps({"messages": CHAT, "max_tokens": 500, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for _ in range(6):
+            r.readline()
+    deadline = time.time() + 20
+    while get(f"{server.url}/health")["queue"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert get(f"{server.url}/health")["queue"] == 0, "the generation stopped"
+
+
+def test_load_every_request_answered_or_refused_never_mixed(server, smollm2):
+    prompts = [f"Write the number {i} in words." for i in range(8)]
+    expected = {p: selfspec.generate(smollm2, p, "vanilla", max_new_tokens=12).text for p in prompts}
+    client = server.client(max_retries=0)
+    results: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        p = prompts[i % len(prompts)]
+        try:
+            out = client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+            got = ("ok", out.choices[0].text)
+        except RateLimitError as exc:
+            got = ("refused", str(exc.response.headers.get("retry-after")))
+        with lock:
+            results.append((p, got))
+
+    threads = [threading.Thread(target=lambda k=k: [one(k * 5 + j) for j in range(5)]) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(results) == 40, "no request lost"
+    answered = [(p, text) for p, (kind, text) in results if kind == "ok"]
+    refused = [r for _, (kind, r) in results if kind == "refused"]
+    assert answered and all(text == expected[p] for p, text in answered), "no tokens mixed between requests"
+    assert refused and all(r == "2" for r in refused), "a full queue refuses with 429 and Retry-After"
+    assert get(f"{server.url}/health")["status"] == "ok"
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert 'status="429"' in metrics and "selfspec_tokens_per_second" in metrics
+
+
+def test_state_survives_a_restart_and_a_corrupt_state_is_set_aside(tmp_path):
+    state = tmp_path / "state.json"
+    srv = Server("--api-key", "k3y", state=state)
+    try:
+        with pytest.raises(Exception, match="401"):
+            srv.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+        client = srv.client(api_key="k3y")
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
+                                       extra_body={"selfspec": {"method": "swift"}})  # fmt: skip
+        assert not get(f"{srv.url}/health")["state_loaded"]
+    finally:
+        code, err = srv.stop()
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it so that the parent sees how it ended
+    assert code in (0, -signal.SIGTERM) and "Traceback" not in err
+    assert f"state saved to {state}" in err
+    saved = json.loads(state.read_text())
+    assert saved and all("best" in entry for entry in saved.values())
+    srv = Server("--method", "swift", state=state)
+    try:
+        assert get(f"{srv.url}/health")["state_loaded"]
+    finally:
+        srv.stop()
+    state.write_text("{ this is not json")
+    srv = Server(state=state)
+    try:
+        assert get(f"{srv.url}/health")["status"] == "ok"
+    finally:
+        _, err = srv.stop()
+    assert "unreadable" in err or "not JSON" in err
+    assert list(tmp_path.glob("state.json.corrupt-*")), "the corrupt file was kept aside, not overwritten"
