@@ -99,3 +99,20 @@ def test_garbage_lookup_drafts_never_change_the_output(tiny_llama, monkeypatch):
     base = selfspec.generate(tiny_llama, PROMPT, "vanilla", max_new_tokens=48)
     out = selfspec.generate(tiny_llama, PROMPT, "auto", max_new_tokens=48)
     assert out.token_ids == base.token_ids
+
+
+def test_a_losing_layer_skip_source_sits_out_but_still_explores():
+    from selfspec.drafters.hybrid import EXPLORE_EVERY
+
+    lookup = PromptLookupDrafter()
+    lookup._profile = FlatProfile(0.1)
+    layerskip = DeclineToDraft()
+    hybrid = HybridDrafter(lookup, layerskip)
+    hybrid.skip_gain = 0.6  # its rounds have been earning 0.6 tokens per vanilla step
+    history = list(range(100))  # no n-gram repeats: the lookup source has nothing
+    rounds = 3 * (EXPLORE_EVERY + 1)
+    for _ in range(rounds):
+        out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20,
+                             sampler=GREEDY_SAMPLER)  # fmt: skip
+        hybrid.observe(out, [0], tokens=1, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)
+    assert layerskip.calls == 3, "one exploring round in every EXPLORE_EVERY + 1"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,6 +132,7 @@ def test_text_completion_and_stop_strings(server, smollm2):
     cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
     assert cut.choices[0].text == vanilla.text[: vanilla.text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    assert 0 < cut.usage.completion_tokens < out.usage.completion_tokens, "usage counts the tokens before the stop"
 
 
 def test_seeded_sampling_is_vanilla_samplings_tokens(server, smollm2):
@@ -243,3 +245,41 @@ def test_state_survives_a_restart_and_a_corrupt_state_is_set_aside(tmp_path):
         _, err = srv.stop()
     assert "unreadable" in err or "not JSON" in err
     assert list(tmp_path.glob("state.json.corrupt-*")), "the corrupt file was kept aside, not overwritten"
+
+
+def _browser() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def test_playground_in_a_headless_browser(server, smollm2):
+    """A prompt typed into the page, streamed text appears, the statistics update; a screenshot for docs/."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    browser_path = _browser()
+    if browser_path is None:
+        pytest.skip("no chromium on this machine (.ci/run installs Debian's chromium when it can)")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.wait_for_function("document.querySelectorAll('#method option').length > 0")
+            page.fill("#prompt", "List three fruits.")
+            page.fill("#max_tokens", "40")
+            page.click("#send")
+            page.wait_for_function("document.getElementById('stats').textContent.includes('acceptance')",
+                                   timeout=60_000)  # fmt: skip
+            text = page.inner_text("#out")
+            stats = page.inner_text("#stats")
+            shot = Path(__file__).parent.parent / "docs" / "playground.png"
+            if os.environ.get("SELFSPEC_SCREENSHOT"):
+                page.screenshot(path=str(shot))
+        finally:
+            browser.close()
+    expected = selfspec.generate(smollm2, [{"role": "user", "content": "List three fruits."}], "vanilla",
+                                 max_new_tokens=40).text  # fmt: skip
+    assert text.strip() == expected.strip(), "the streamed text is the model's greedy reply"
+    assert "tokens/s" in stats and "acceptance" in stats

@@ -114,8 +114,9 @@ class Session:
                ) -> Iterator[Piece]:  # fmt: skip
         """Per round of decoding, the new text with how many tokens it holds and how many of those came from
         the draft (a server marks them); ``last_result`` is set at the end.  Closing the iterator stops the
-        generation after the current round."""
+        generation after the current round (``last_result`` is then None)."""
         decoder = self._decoder(prompt, max_new_tokens, sampling or SamplingParams())
+        self.last_result = None  # set only when the generation runs to its end
         ids: list[int] = []
         shown, tokens, drafted, first = "", 0, 0, True
         rounds = iter(decoder)

@@ -16,7 +16,8 @@ step is cheap next to a full one).  Each round:
 3. the better source drafts.  The layer-skip source may still decline (its
    cost-aware exit drafts nothing where not even one token pays, as on a
    quantised model where a draft step costs about what a full one does), and
-   the round then decodes plainly.
+   the round then decodes plainly; once its measured gain is below
+   break-even it sits out all but one in ``EXPLORE_EVERY`` rounds.
 
 So a source whose drafts stop being accepted loses its gain and fades out;
 one that starts paying again is noticed (the lookup source re-prices every
@@ -36,6 +37,7 @@ from .layerskip import Drafter as LayerSkipDrafter
 from .lookup import PromptLookupDrafter
 
 SMOOTHING = 0.2  # weight of the newest round in the layer-skip source's measured gain
+EXPLORE_EVERY = 16  # a layer-skip source that loses time still drafts once in this many rounds it could have
 
 
 @dataclass
@@ -55,6 +57,7 @@ class HybridDrafter:
         self.lookup, self.layerskip = lookup, layerskip
         self.skip_gain = 1.0  # layer-skip rounds' measured tokens per vanilla step (1: break-even)
         self._source: str | None = None
+        self._idle = 0  # rounds the losing layer-skip source sat out since it last drafted
         self.sources = {"lookup": SourceStats(), "layerskip": SourceStats()}
 
     # -- the Drafter protocol -------------------------------------------------------------------
@@ -82,6 +85,11 @@ class HybridDrafter:
         if outcome is not None and self.lookup.last_gain >= self.skip_gain:
             self._source = "lookup"
             return outcome
+        if self.skip_gain < 1.0 and self._idle < EXPLORE_EVERY:  # layer-skip rounds have been losing time
+            self._idle += 1
+            self._source = None
+            return None
+        self._idle = 0
         self._source = "layerskip"
         return self.layerskip.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler)
 

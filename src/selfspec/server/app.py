@@ -164,8 +164,7 @@ class _Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}  # fmt: skip
 
-    def whole(self, text: str, reason: str, stats) -> dict[str, Any]:
-        tokens = stats.new_tokens if stats is not None else 0
+    def whole(self, text: str, reason: str, stats, tokens: int) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
         else:
@@ -218,8 +217,8 @@ async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Rep
             if kind == "piece":
                 parts.append(payload[0])
             elif kind == "done":
-                reason, stats = payload
-                return JSONResponse(reply.whole("".join(parts), reason, stats))
+                reason, stats, tokens = payload
+                return JSONResponse(reply.whole("".join(parts), reason, stats, tokens))
             elif kind == "error":
                 status, message = payload
                 raise ApiError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
@@ -240,11 +239,11 @@ async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply,
                 if text or tokens:
                     yield _event(reply.chunk(text, extra={"tokens": tokens, "drafted": drafted}))
             elif kind == "done":
-                reason, stats = payload
+                reason, stats, tokens = payload
                 yield _event(reply.chunk(None, reason, extra=_stats(stats)))
                 if include_usage:
                     usage = reply.chunk(None)
-                    usage["choices"], usage["usage"] = [], reply.usage(stats.new_tokens if stats else 0)
+                    usage["choices"], usage["usage"] = [], reply.usage(tokens)
                     yield _event(usage)
                 yield "data: [DONE]\n\n"
                 return

@@ -182,10 +182,11 @@ class Worker:
         session = self.session(job.method)
         scanner = StopScanner(job.stops)
         pieces = session.pieces(job.prompt, max_new_tokens=job.max_tokens, sampling=job.sampling)
-        stopped = False
+        stopped, tokens = False, 0
         try:
             for piece in pieces:
                 text, stopped = scanner.feed(piece.text)
+                tokens += piece.tokens
                 job.emit("piece", (text, piece.tokens, piece.drafted))
                 if stopped or job.cancel.is_set():
                     break
@@ -195,12 +196,13 @@ class Worker:
             tail = scanner.flush()
             if tail:
                 job.emit("piece", (tail, 0, 0))
+        # statistics exist for a generation that ran to its end (EOS or max_tokens), not one cut by a stop string
         result = session.last_result
         stats = result.stats if result is not None else None
         reason = "stop" if stopped or (stats is not None and stats.stop_reason == "eos") else "length"
         if stats is not None and not job.cancel.is_set():
             self.metrics.observe(stats)
-        job.emit("done", (reason, stats))
+        job.emit("done", (reason, stats, tokens))
 
 
 def _state_unreadable(path: Path) -> bool:
