@@ -292,7 +292,7 @@ def test_cli_bench_stream_mode(cli_on_tiny, tmp_path, capsys):
         (["--methods", "asd:alpha=2x"], "bad option value"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--offset", "-1"], "--offset must be >= 0"),
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--temperature", "0.7", "--top-p", "0"], "top_p must be in"),
     ],
 )

@@ -29,7 +29,7 @@ class PromptLookup:
     def bind(self, model, skip) -> None:
         assert skip is None  # no skip policy: nothing to skip
 
-    def propose(self, history, *, model, cache, skip, budget, sampling, generator):
+    def propose(self, history, *, model, cache, skip, budget, sampler):
         self.rounds += 1
         last = history[-1]
         for i in range(len(history) - 2, -1, -1):
