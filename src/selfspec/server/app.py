@@ -34,6 +34,7 @@ class Limits:
 
 
 def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
+    """The application: routes, the authentication and size guard, OpenAI-style error handlers."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -92,50 +93,53 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = _parse(ChatRequest, await _json(request, limits))
-        return await _complete(request, body, body.prompt(), chat=True)
+        return await _complete(worker, limits, request, body, body.prompt(), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = _parse(CompletionRequest, await _json(request, limits))
         if not body.prompt.strip():
             raise ApiError(400, "prompt is empty", param="prompt")
-        return await _complete(request, body, body.prompt, chat=False)
-
-    async def _complete(request: Request, body, prompt: Any, *, chat: bool):
-        body.check_supported()
-        if body.model is not None and body.model != model_name:
-            raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{model_name}'",
-                           param="model", type="not_found_error")  # fmt: skip
-        method = (body.selfspec.method if body.selfspec else None) or worker.method
-        if method not in worker.allowed:
-            raise ApiError(400, f"method '{method}' is not allowed here; allowed: {', '.join(worker.allowed)}",
-                           param="selfspec.method")  # fmt: skip
-        limit = body.limit() or limits.default_max_tokens
-        if limit > limits.max_tokens:
-            raise ApiError(400, f"max_tokens is {limit}; this server allows at most {limits.max_tokens}",
-                           param="max_tokens")  # fmt: skip
-        try:
-            sampling = body.sampling()
-            ids = worker.model.encode(prompt)
-            check_lengths(worker.model, len(ids), limit)
-        except InvalidInputError as exc:
-            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        job = Job(prompt, method, sampling, limit, body.stops(), loop_emitter(loop, events))
-        try:
-            worker.submit(job)
-        except QueueFull:
-            raise ApiError(429, "the server is busy (queue full); retry later", type="rate_limit_error",
-                           headers={"Retry-After": str(limits.retry_after_s)}) from None  # fmt: skip
-        reply = _Reply(job.id, model_name, chat, len(ids))
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_sse(request, job, events, reply, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return await _gather(request, job, events, reply)
+        return await _complete(worker, limits, request, body, body.prompt, chat=False)
 
     return app
+
+
+async def _complete(worker: Worker, limits: Limits, request: Request, body, prompt: Any, *, chat: bool):
+    """Validate a completion request against the model and the limits, queue it, answer or stream."""
+    model_name = worker.model.name
+    body.check_supported()
+    if body.model is not None and body.model != model_name:
+        raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{model_name}'",
+                       param="model", type="not_found_error")  # fmt: skip
+    method = (body.selfspec.method if body.selfspec else None) or worker.method
+    if method not in worker.allowed:
+        raise ApiError(400, f"method '{method}' is not allowed here; allowed: {', '.join(worker.allowed)}",
+                       param="selfspec.method")  # fmt: skip
+    limit = body.limit() or limits.default_max_tokens
+    if limit > limits.max_tokens:
+        raise ApiError(400, f"max_tokens is {limit}; this server allows at most {limits.max_tokens}",
+                       param="max_tokens")  # fmt: skip
+    try:
+        sampling = body.sampling()
+        ids = worker.model.encode(prompt)
+        check_lengths(worker.model, len(ids), limit)
+    except InvalidInputError as exc:
+        raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    job = Job(prompt, method, sampling, limit, body.stops(), loop_emitter(loop, events))
+    try:
+        worker.submit(job)
+    except QueueFull:
+        raise ApiError(429, "the server is busy (queue full); retry later", type="rate_limit_error",
+                       headers={"Retry-After": str(limits.retry_after_s)}) from None  # fmt: skip
+    reply = _Reply(job.id, model_name, chat, len(ids))
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_sse(request, job, events, reply, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return await _gather(request, job, events, reply)
 
 
 UNSUPPORTED_OPENAI_FIELDS = {
