@@ -120,7 +120,9 @@ class _Transposed(Kernel):
 
     def run(self, x, prepared, bias):
         y = torch.mm(prepared, x.T).T  # [rows, out]: BLAS streams W once with a thin right-hand side
-        return y if bias is None else y + bias
+        # contiguous like every other kernel's output: a reduction over a strided last dimension (Qwen 3's q/k
+        # norms) may sum in another order, so a transposed view would change bits downstream
+        return y.contiguous() if bias is None else y + bias
 
 
 class _OneDNN(Kernel):
