@@ -181,13 +181,14 @@ class Decoder:
                 skip = self._adapt(cache, out, skip, tally)
                 t1 = time.perf_counter()
                 # 1. draft candidates after the history (None: a round of plain decoding)
-                outcome = self._draft(out, cache, skip, budget=N - len(out) - 1)
+                history = [*self.prompt_ids, *out]  # prompt and new tokens; the last is not in the cache yet
+                outcome = self._draft(history, cache, skip, budget=N - len(out) - 1)
                 t2 = time.perf_counter()
                 # 2. verify every candidate in one full-model forward
                 tree = outcome.tree if outcome is not None else None
                 logits = self._verify(cache, c, token, tree)  # [T, V]
                 # 3. accept the longest path the full model agrees with (or keeps), plus its next token
-                path, bonus = self._accept(tree, logits, out)
+                path, bonus = self._accept(tree, logits, history)
                 t3 = time.perf_counter()
                 # 4. commit the accepted path's cache entries; stop at EOS or at the length limit
                 cache.move([c + n for n in path], c)
@@ -247,10 +248,9 @@ class Decoder:
         tally.optimise_time += time.perf_counter() - t0
         return skip
 
-    def _draft(self, out: list[int], cache: KVCache, skip: SkipSet | None, budget: int) -> DraftOutcome | None:
+    def _draft(self, history: list[int], cache: KVCache, skip: SkipSet | None, budget: int) -> DraftOutcome | None:
         if self.drafter is None:
             return None
-        history = [*self.prompt_ids, *out]
         return self.drafter.propose(history, model=self.model, cache=cache, skip=skip, budget=budget,
                                     sampler=self._sampler)  # fmt: skip
 
@@ -267,9 +267,9 @@ class Decoder:
         check_finite(logits, "verification")
         return logits
 
-    def _accept(self, tree: DraftTree | None, logits: torch.Tensor, out: list[int]) -> tuple[list[int], int]:
-        """(accepted path, bonus); ``out``: the new tokens so far, the tree's root last."""
-        sampler, history = self._sampler, [*self.prompt_ids, *out]
+    def _accept(self, tree: DraftTree | None, logits: torch.Tensor, history: list[int]) -> tuple[list[int], int]:
+        """(accepted path, bonus); ``history``: prompt and new tokens so far, the tree's root last."""
+        sampler = self._sampler
         if tree is None or len(tree) == 1:
             return [0], sampler.next_token(logits[-1], history)
         if sampler.params.penalised:  # each node's history runs through its own path
@@ -278,7 +278,7 @@ class Decoder:
             histories = [history] * len(tree)
         if sampler.records_q:
             return accept_sampling(tree, sampler.probs(logits, histories), sampler.generator)
-        first = len(out)  # output position of the token after the root
+        first = sampler.position(len(history))  # output position of the token after the root
         return accept_greedy(tree, sampler.choose(logits, [first + d for d in tree.depths], histories))
 
     def _observe(self, outcome: DraftOutcome | None, path: list[int], tokens: int, tally: _Tally,

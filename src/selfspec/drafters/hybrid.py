@@ -100,18 +100,19 @@ class HybridDrafter:
             return
         drafter = self.lookup if source == "lookup" else self.layerskip
         drafter.observe(outcome, path, tokens=tokens, round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms)
-        if outcome is not None and outcome.steps:
-            st = self.sources[source]
-            st.rounds += 1
-            st.drafted += outcome.steps
-            st.accepted += len(path) - 1
-            st.ms += draft_ms + verify_ms
-        if source == "layerskip" and outcome is not None and outcome.steps:
+        self._source = None
+        if outcome is None or not outcome.steps:
+            return
+        st = self.sources[source]
+        st.rounds += 1
+        st.drafted += outcome.steps
+        st.accepted += len(path) - 1
+        st.ms += draft_ms + verify_ms
+        if source == "layerskip":
             econ = self.layerskip.economy
             step_ms = econ.verify_ms(1) if econ is not None else verify_ms
             gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
             self.skip_gain = (1 - SMOOTHING) * self.skip_gain + SMOOTHING * gain
-        self._source = None
 
     def source_stats(self) -> dict[str, dict]:
         return {name: asdict(st) for name, st in self.sources.items()}

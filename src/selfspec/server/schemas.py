@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.sampling import SCHEMES, SamplingParams
+from ..core.sampling import SamplingParams
 
 
 class ApiError(Exception):
@@ -68,7 +68,6 @@ class _Common(BaseModel):
 
     def sampling(self) -> SamplingParams:
         scheme = (self.selfspec.sampling_scheme if self.selfspec else None) or "coupled"
-        assert scheme in SCHEMES
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.min_p,
                               self.repetition_penalty, scheme)  # fmt: skip
 
