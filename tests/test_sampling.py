@@ -40,6 +40,7 @@ from selfspec.decoding import loop as decoding
 from selfspec.decoding.acceptance import accept_sampling
 from selfspec.decoding.loop import Decoder, prefill
 from selfspec.decoding.trees import DraftTree
+from selfspec.drafters import hybrid
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
 
@@ -280,9 +281,11 @@ def test_vanilla_sampling_matches_the_enumeration(small_vocab, setting):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", list(METHODS))
-def test_speculative_sampling_is_exact(small_vocab, name, setting):
+def test_speculative_sampling_is_exact(small_vocab, monkeypatch, name, setting):
     method, options = METHODS[name]
     params = SETTINGS[setting]
+    if name == "auto":  # whether a losing layer-skip source sits a round out follows measured times: never here
+        monkeypatch.setattr(hybrid, "EXPLORE_EVERY", 0)
     counts, verified, drafted = sample_outputs(small_vocab, method, options, params)
     assert drafted > SAMPLES // 2, "the method really drafted"
     if name == "swift-tree":
