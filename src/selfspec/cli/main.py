@@ -79,11 +79,7 @@ def _method_options(args: argparse.Namespace) -> dict:
     return options
 
 
-# Long (~75 lines): argparse declarations, one line per option; nothing here branches.
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="selfspec", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with one method (optionally compared with vanilla)")
     add_model_args(p)
     p.add_argument("--method", default="auto",
@@ -102,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
     _add_method_args(p)
     p.set_defaults(func=cmd_generate)
+
+
+# Long (~70 lines): argparse declarations, one line per option; nothing here branches.
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfspec", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_generate_parser(sub)
 
     p = sub.add_parser("models", help="list the built-in models and whether they are installed")
     p.add_argument("--json", action="store_true")
