@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..core import kernels
+from ..core import fused, kernels
+from ..core.quant import QuantLinear
 from ..errors import UnsupportedModelError
 
 RotaryTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [1, T, head_dim]
@@ -135,6 +136,49 @@ class LlamaAdapter:
         """Bytes of prepared weight copies (packed, low precision) beyond the model's own weights."""
         return kernels.prepared_bytes(self.linears)
 
+    # -- the fused native path -----------------------------------------------------------------------------------
+    norm_offset = 0.0  # RMSNorm scales by weight + offset (Gemma: 1)
+
+    def _norm_pairs(self, layer) -> tuple:
+        """(attention in, attention out, MLP in, MLP out) norm modules; out norms None (pre-norm blocks)."""
+        return layer.input_layernorm, None, layer.post_attention_layernorm, None
+
+    def fused_layers(self) -> tuple[list[fused.FusedLayer] | None, str]:
+        """The decoder layers described for :class:`selfspec.core.fused.FusedStack`, or None and the reason
+        (only models whose every layer linear is kept quantised, on the CPU, with RMS norms)."""
+        if self.device.type != "cpu":
+            return None, f"device {self.device.type}"
+        if getattr(self.config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+            return None, "partial rotary embedding"
+        act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", None)
+        specs = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            names = ("q_proj", "k_proj", "v_proj", "o_proj")
+            linears = tuple(getattr(attn, n, None) for n in names) + tuple(
+                getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+            if not all(isinstance(m, QuantLinear) for m in linears):
+                return None, "not every linear layer is quantised"
+            norms = [*self._norm_pairs(layer), getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+            if not all(n is None or "RMSNorm" in type(n).__name__ for n in norms) or not _lean_ok(attn):
+                return None, f"layer {i}: unsupported norm or attention module"
+            eps = {float(getattr(n, "variance_epsilon", getattr(n, "eps", 0.0))) for n in norms if n is not None}
+            if len(eps) != 1:
+                return None, "norms with different epsilons"
+            weight = lambda n: None if n is None else n.weight  # noqa: E731
+            spec = fused.FusedLayer(
+                linears, *(weight(n) for n in norms), eps=eps.pop(), norm_offset=self.norm_offset,
+                scaling=float(attn.scaling), n_heads=int(self.config.num_attention_heads),
+                n_kv=int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads),
+                head_dim=int(attn.head_dim), activation=str(act), window=self.windows[i],
+                rope_key=self.layer_types[i],
+            )  # fmt: skip
+            reason = fused.unsupported_reason(spec)
+            if reason:
+                return None, reason
+            specs.append(spec)
+        return specs, ""
+
     # -- the pieces -------------------------------------------------------------
     def linear_sublayers(self, i: int) -> dict[str, torch.nn.Linear]:
         """The linear layers of layer i by role (q, k, v, o; gate, up, down), for draft-only adapters."""
@@ -184,8 +228,14 @@ class Gemma3Adapter(LlamaAdapter):
 
     model_types = ("gemma3_text",)
 
+    norm_offset = 1.0
+
     def _layer_type_keys(self) -> list[str]:
         return list(self.config.layer_types[: self.num_layers])
+
+    def _norm_pairs(self, layer) -> tuple:
+        return (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm)  # fmt: skip
 
     def _check_supported(self, layer) -> None:
         super()._check_supported(layer)

@@ -63,6 +63,21 @@ class KVCache:
         assert k is not None and v is not None, f"layer {idx} was never written"
         return k[:, :, :end], v[:, :, :end]
 
+    def buffer_pointers(self, shapes: list[tuple[int, int]], dtype: torch.dtype) -> list[tuple[int, int]]:
+        """Data pointers of every layer's key and value buffers (``[1, heads, capacity, head_dim]``, contiguous),
+        allocating those never written; ``shapes``: (heads, head_dim) per layer.  For native code writing
+        and reading the cache directly (:mod:`selfspec.core.fused`)."""
+        pointers = []
+        for i, (heads, dim) in enumerate(shapes):
+            for buffers in (self._keys, self._values):
+                buf = buffers[i]
+                if buf is None:
+                    buf = buffers[i] = torch.zeros(1, heads, self.capacity, dim, dtype=dtype)
+                if buf.shape != (1, heads, self.capacity, dim) or buf.dtype != dtype or not buf.is_contiguous():
+                    raise RuntimeError(f"layer {i}: cache buffer {tuple(buf.shape)} {buf.dtype} does not fit")
+            pointers.append((self._keys[i].data_ptr(), self._values[i].data_ptr()))
+        return pointers
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._keys + self._values if b is not None)
 

@@ -54,6 +54,7 @@ from ..io import cache_dir
 from . import kernels
 
 SOURCE = Path(__file__).with_name("quant_kernels.c")
+SOURCES = (SOURCE, Path(__file__).with_name("fused_decoder.c"))  # one library: the fused layers call the products
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 PREFILL_ROWS = 65  # within bulk_rows(), calls with at least this many rows decode weight tiles for torch's BLAS
 TILE_ELEMENTS = 1 << 21  # fp32 elements per decoded tile (8 MB)
@@ -76,6 +77,11 @@ def bulk_rows() -> Iterator[None]:
         _BULK.reset(token)
 
 
+def bulk_active() -> bool:
+    """Whether the current pass is inside :func:`bulk_rows` (the prompt's prefill)."""
+    return _BULK.get()
+
+
 # -- the compiled library ---------------------------------------------------------------------------------------
 
 _LIB: ctypes.CDLL | None = None
@@ -94,7 +100,8 @@ def library_path() -> Path:
     except (OSError, subprocess.SubprocessError):
         version = ""
     key = hashlib.sha256(
-        b"|".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_signature().encode()])
+        b"|".join([*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), version.encode(),
+                   _cpu_signature().encode()])  # fmt: skip
     ).hexdigest()[:16]
     return cache_dir("native", f"quant_kernels-{platform.machine()}-{key}.so")
 
@@ -118,7 +125,7 @@ def build(*, verbose: bool = False) -> Path:
         raise NativeUnavailable("no C compiler found (install gcc, or set CC) to build the quantised kernels")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    cmd = [cc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lm"]
+    cmd = [cc, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"]
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     try:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
-from ..core import kernels, quant
+from ..core import fused, kernels, quant
 from ..core.cache import KVCache
 from ..core.skipset import NO_SKIP, SkipSet
 
@@ -40,6 +40,19 @@ class Engine:
         self.device = adapter.device
         self._windows = adapter.windows
         self._layer_types = adapter.layer_types
+        specs, self.fused_reason = adapter.fused_layers()
+        self._fused = None
+        if specs:
+            try:
+                self._fused = fused.FusedStack(specs)
+            except quant.NativeUnavailable as exc:
+                self.fused_reason = str(exc)
+        self.fused_enabled = self._fused is not None  # tests switch it off to compare with the module path
+
+    @property
+    def fused(self) -> bool:
+        """Whether decoding passes run the native fused decoder stack (:mod:`selfspec.core.fused`)."""
+        return self._fused is not None and self.fused_enabled
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.num_layers, capacity)
@@ -102,8 +115,11 @@ class Engine:
         h = adapter.embed(input_ids.view(1, T)) if input_embeds is None else input_embeds.view(1, T, -1)
         ropes = adapter.rotary(h, positions.view(1, T))
         masks = self._masks(start, positions, tree_mask, start if visible is None else visible)
-        kv = cache.writer(start)
         collect = cosine_out is not None
+        if self.fused and not collect and not quant.bulk_active() and kernels.active_draft_adapters() is None:
+            h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes)
+            return self._head(h, last_only, argmax_only)
+        kv = cache.writer(start)
         attn_cos = [float("nan")] * self.num_layers
         mlp_cos = [float("nan")] * self.num_layers
         for i in range(self.num_layers):
@@ -119,6 +135,10 @@ class Engine:
                 h = h_new
         if collect:
             cosine_out.append(SublayerCosine(tuple(attn_cos), tuple(mlp_cos)))
+        return self._head(h, last_only, argmax_only)
+
+    def _head(self, h: torch.Tensor, last_only: bool, argmax_only: bool) -> torch.Tensor:
+        adapter = self.adapter
         if last_only:
             h = h[:, -1:]
         if argmax_only:  # the head a few rows at a time: never a [T, V] tensor (V = 262k for Gemma 3)

@@ -1,0 +1,161 @@
+"""The fused decoder stack: all decoder layers of a quantised model in one native call per forward pass.
+
+On a CPU, a small model's decoding step spent more time in Python and in the ~40 small torch operations
+of each layer (norms, rotary, cache writes, attention plumbing, residual adds) than in its matrix
+products.  ``fused_decoder.c`` (built with ``quant_kernels.c`` into one library, see
+:mod:`selfspec.core.quant`) runs every layer over the T new tokens in one call instead; each token's row
+is computed the same way whatever T is and wherever its keys sit in the cache, so one-token decoding,
+chain and tree verification give it the same logits bit for bit (see the C file's header).
+
+This module knows no model architecture: the adapter describes each layer as a :class:`FusedLayer`
+(which quantised linears, which norm weights, which activation) and :class:`FusedStack` runs them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .cache import KVCache
+from .quant import QuantLinear, native
+from .skipset import SkipSet
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}
+MAX_HEAD_DIM = 1024  # the C code's rotary scratch
+
+
+class _QMat(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_long), ("N", ctypes.c_long), ("K", ctypes.c_long), ("G", ctypes.c_long),
+                ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [*((name, _QMat) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+                *((name, ctypes.c_void_p) for name in ("attn_in_norm", "attn_out_norm", "mlp_in_norm",
+                                                       "mlp_out_norm", "q_norm", "k_norm")),
+                ("eps", ctypes.c_double), ("norm_offset", ctypes.c_double), ("scaling", ctypes.c_double),
+                *((name, ctypes.c_long) for name in ("n_heads", "n_kv", "head_dim", "hidden", "inter",
+                                                     "act"))]  # fmt: skip
+
+
+IO_FIELDS = 5  # per layer: mask, cos, sin, key cache, value cache (pointers, the C struct layer_io)
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """One decoder layer as the native code sees it.  Norms compute ``x / rms(x) * (weight + norm_offset)``;
+    the ``*_out_norm`` (Gemma 3's sandwich norms) and the per-head ``q_norm``/``k_norm`` may be None."""
+
+    linears: tuple[QuantLinear, ...]  # q, k, v, o, gate, up, down
+    attn_in_norm: torch.Tensor
+    attn_out_norm: torch.Tensor | None
+    mlp_in_norm: torch.Tensor
+    mlp_out_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    norm_offset: float
+    scaling: float
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    activation: str
+    window: int | None  # sliding attention window (keys the engine's masks key by)
+    rope_key: str  # which rotary table the layer uses
+
+
+def _qmat(linear: QuantLinear) -> _QMat:
+    w = linear.qweight
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return _QMat(4 if w.fmt == "q4" else 8, w.out_features, w.in_features, w.group, w.codes.data_ptr(),
+                 w.scale.data_ptr(), ptr(w.minv), ptr(linear.bias))  # fmt: skip
+
+
+def unsupported_reason(layer: FusedLayer) -> str | None:
+    """Why the native code cannot run this layer (None when it can)."""
+    if layer.activation not in ACTIVATIONS:
+        return f"activation {layer.activation!r}"
+    if layer.head_dim > MAX_HEAD_DIM or layer.head_dim % 2:
+        return f"head dimension {layer.head_dim}"
+    if layer.n_heads % layer.n_kv:
+        return "query heads not a multiple of key/value heads"
+    norms = (layer.attn_in_norm, layer.attn_out_norm, layer.mlp_in_norm, layer.mlp_out_norm, layer.q_norm,
+             layer.k_norm)  # fmt: skip
+    if any(n is not None and (n.dtype != torch.float32 or n.device.type != "cpu") for n in norms):
+        return "norm weights not fp32 on the CPU"
+    if any(m.qweight.codes.device.type != "cpu" for m in layer.linears):
+        return "weights not on the CPU"
+    return None
+
+
+class FusedStack:
+    """Runs a model's decoder layers natively (see the module docstring)."""
+
+    def __init__(self, layers: list[FusedLayer]) -> None:
+        self.layers = layers
+        self._lib = native()
+        # the tensors the C structs point to must live as long as this object: contiguous fp32 norm weights
+        self._keep: list[torch.Tensor] = []
+        structs = [self._struct(layer) for layer in layers]
+        self._structs = (_Layer * len(layers))(*structs)
+        self._windows = sorted({layer.window for layer in layers}, key=lambda w: (w is not None, w or 0))
+        self._rope_keys = sorted({layer.rope_key for layer in layers})
+        self._window_of = np.array([self._windows.index(layer.window) for layer in layers])
+        self._rope_of = np.array([self._rope_keys.index(layer.rope_key) for layer in layers])
+        self._skip_flags: dict[SkipSet, np.ndarray] = {}
+        fn = self._lib.selfspec_fused_layers
+        fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                       ctypes.c_long, ctypes.c_long, ctypes.c_void_p]  # fmt: skip
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def _norm(self, weight: torch.Tensor | None) -> int | None:
+        if weight is None:
+            return None
+        w = weight.detach().to(torch.float32).contiguous()
+        self._keep.append(w)
+        return w.data_ptr()
+
+    def _struct(self, layer: FusedLayer) -> _Layer:
+        q, k, v, o, gate, up, down = (_qmat(m) for m in layer.linears)
+        return _Layer(q, k, v, o, gate, up, down, self._norm(layer.attn_in_norm), self._norm(layer.attn_out_norm),
+                      self._norm(layer.mlp_in_norm), self._norm(layer.mlp_out_norm), self._norm(layer.q_norm),
+                      self._norm(layer.k_norm), layer.eps, layer.norm_offset, layer.scaling, layer.n_heads,
+                      layer.n_kv, layer.head_dim, layer.linears[3].out_features, layer.linears[4].out_features,
+                      ACTIVATIONS[layer.activation])  # fmt: skip
+
+    def _flags(self, skip: SkipSet) -> np.ndarray:
+        flags = self._skip_flags.get(skip)
+        if flags is None:
+            flags = np.zeros(2 * len(self.layers), dtype=np.uint8)
+            flags[0::2][list(skip.attention)] = 1
+            flags[1::2][list(skip.mlp)] = 1
+            self._skip_flags[skip] = flags
+        return flags
+
+    def run(self, h: torch.Tensor, *, cache: KVCache, start: int, skip: SkipSet, masks: dict,
+            ropes: dict) -> torch.Tensor:
+        """``h`` ``[1, T, hidden]`` through every layer (its new keys/values written at slots
+        ``[start, start+T)``); ``masks`` by window: boolean ``[1, 1, T, start+T]`` or None (causal);
+        ``ropes`` by rotary key: (cos, sin), each ``[1, T, head_dim]``."""
+        h = h.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # written in place
+        T = h.shape[1]
+        if start + T > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {cache.capacity}")
+        io = np.zeros((len(self.layers), IO_FIELDS), dtype=np.uint64)
+        masks = [masks[w] for w in self._windows]
+        masks = [None if m is None else m.contiguous() for m in masks]
+        io[:, 0] = np.array([0 if m is None else m.data_ptr() for m in masks], dtype=np.uint64)[self._window_of]
+        tables = [tuple(t.contiguous() for t in ropes[key]) for key in self._rope_keys]
+        io[:, 1] = np.array([c.data_ptr() for c, _ in tables], dtype=np.uint64)[self._rope_of]
+        io[:, 2] = np.array([s.data_ptr() for _, s in tables], dtype=np.uint64)[self._rope_of]
+        io[:, 3:] = cache.buffer_pointers([(layer.n_kv, layer.head_dim) for layer in self.layers], torch.float32)
+        status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
+                          io.ctypes.data, T, start, cache.capacity, h.data_ptr())  # fmt: skip
+        if status != 0:
+            raise MemoryError("the fused decoder could not allocate its scratch memory")
+        return h

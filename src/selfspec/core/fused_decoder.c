@@ -1,0 +1,239 @@
+/* selfspec's fused decoder stack: every decoder layer of a quantised model in one C call (see fused.py).
+ *
+ * A decoding step of a small model on a CPU spends more time in Python and in ~40 small torch operations per
+ * layer (norms, rotary, cache writes, attention plumbing, residual adds) than in its matrix products.  Here
+ * one call runs all layers over T new tokens: RMS norms, the quantised products of quant_kernels.c, per-head
+ * query/key norms, rotary embedding, the cache write, grouped-query attention under an optional boolean mask,
+ * the gated MLP (SiLU or tanh-GELU) and the residual adds, in the layout of transformers' modules
+ * (pre-norm Llama blocks; Gemma 3's sandwich norms with weight + 1).
+ *
+ * Row independence (why speculative decoding stays token-identical): each new token's numbers are computed
+ * by the same operations in the same order whatever T is and wherever its keys sit in the cache.  Products
+ * are row-exact (quant_kernels.c); norms and rotary work per row; attention walks the keys a row may see in
+ * slot order, and every sum over keys is a sum over that *compacted* list, in lanes given by a key's index
+ * in the list.  For a node of a verified token tree the list is the committed prefix followed by its
+ * ancestors, one per depth, so its index is the token's position: the very list (and lanes) a one-token
+ * step of the same sequence uses.  The file is compiled with -ffp-contract=off: vector and scalar code paths
+ * perform the same IEEE operations.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void selfspec_linear_q4(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
+                        const float *minv, float *y);
+void selfspec_linear_q8(long T, long N, long K, long G, const float *x, const int8_t *codes,
+                        const float *scale, const float *minv, float *y);
+
+#define LANES 16
+
+typedef struct {
+    long bits; /* 4 (q4 form) or 8 (q8 form) */
+    long N, K, G;
+    const void *codes;
+    const float *scale, *minv, *bias; /* minv, bias: NULL when absent */
+} qmat;
+
+typedef struct {
+    qmat q, k, v, o, gate, up, down;
+    const float *attn_in_norm, *attn_out_norm, *mlp_in_norm, *mlp_out_norm; /* out norms: NULL when absent */
+    const float *q_norm, *k_norm;                                           /* per-head norms, NULL if absent */
+    double eps, norm_offset; /* RMSNorm: x / rms(x) * (weight + norm_offset) */
+    double scaling;          /* attention score scale */
+    long n_heads, n_kv, head_dim, hidden, inter;
+    long act; /* 0: SiLU, 1: tanh-approximated GELU */
+} layer_t;
+
+static void matmul(const qmat *m, long T, const float *x, float *y) {
+    if (m->bits == 4)
+        selfspec_linear_q4(T, m->N, m->K, x, (const uint8_t *)m->codes, m->scale, m->minv, y);
+    else
+        selfspec_linear_q8(T, m->N, m->K, m->G, x, (const int8_t *)m->codes, m->scale, m->minv, y);
+    if (m->bias)
+        for (long t = 0; t < T; t++)
+            for (long n = 0; n < m->N; n++) y[t * m->N + n] = y[t * m->N + n] + m->bias[n];
+}
+
+/* sum of a[i] * b[i] in LANES partial sums (element i in lane i % LANES), added in one fixed order */
+static inline float dot(const float *a, const float *b, long n) {
+    float acc[LANES] = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
+    for (int l = 0; i < n; i++, l++) acc[l] = acc[l] + a[i] * b[i];
+    float s = 0.0f;
+    for (int l = 0; l < LANES; l++) s = s + acc[l];
+    return s;
+}
+
+static void rmsnorm(const float *x, const float *w, float offset, float eps, long n, float *out) {
+    const float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (long i = 0; i < n; i++) out[i] = (x[i] * r) * (w[i] + offset);
+}
+
+/* e^x for x <= 0 down to about -87 (softmax weights), an elementwise formula the compiler vectorises */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504f + 12582912.0f; /* round(x / ln 2) by the 1.5 * 2^23 trick */
+    const float n = t - 12582912.0f;
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.98756912e-4f;
+    p = p * r + 1.39819994e-3f;
+    p = p * r + 8.33345205e-3f;
+    p = p * r + 4.16657962e-2f;
+    p = p * r + 1.66666657e-1f;
+    p = p * r + 5.0e-1f;
+    p = (p * r) * r + r + 1.0f;
+    union { float f; int32_t i; } u = {p};
+    u.i += (int32_t)n * 8388608; /* n * 2^23: the exponent field */
+    return u.f;
+}
+
+/* e^x for any x (activations): exp_neg of -|x|, inverted for x > 0 */
+static inline float exp_any(float x) {
+    const float e = exp_neg(x > 0.0f ? -x : x);
+    return x > 0.0f ? 1.0f / e : e;
+}
+
+static void activation(long act, float *g, const float *u, long n) {
+    if (act == 0) {
+        for (long i = 0; i < n; i++) g[i] = (g[i] / (1.0f + exp_any(-g[i]))) * u[i];
+    } else {
+        for (long i = 0; i < n; i++) {
+            const float x = g[i];
+            const float y = 0.7978845608f * (x + 0.044715f * (x * x * x));
+            const float th = 1.0f - 2.0f / (exp_any(2.0f * y) + 1.0f);
+            g[i] = (0.5f * x * (1.0f + th)) * u[i];
+        }
+    }
+}
+
+/* rotate-half rotary embedding of one head vector in place; cos, sin: [hd] of this row's position */
+static void rope(float *x, const float *cos, const float *sin, long hd) {
+    const long half = hd / 2;
+    float tmp[1024];
+    for (long i = 0; i < half; i++) tmp[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+    for (long i = half; i < hd; i++) tmp[i] = x[i] * cos[i] + x[i - half] * sin[i];
+    memcpy(x, tmp, hd * sizeof(float));
+}
+
+/* one query row attending over the allowed cache slots; out: [hd] */
+static void attend_row(const float *q, const float *kc, const float *vc, long hd, long nkeys, const uint8_t *allow,
+                       float scaling, long *list, float *p, float *out) {
+    long m = 0;
+    for (long j = 0; j < nkeys; j++)
+        if (!allow || allow[j]) list[m++] = j;
+    float mx = -INFINITY;
+    for (long i = 0; i < m; i++) {
+        p[i] = dot(q, kc + list[i] * hd, hd) * scaling;
+        mx = p[i] > mx ? p[i] : mx;
+    }
+    for (long i = 0; i < m; i++) p[i] = exp_neg(p[i] - mx);
+    float acc[LANES] = {0};
+    long i = 0;
+    for (; i + LANES <= m; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + p[i + l];
+    for (int l = 0; i < m; i++, l++) acc[l] = acc[l] + p[i];
+    float denom = 0.0f;
+    for (int l = 0; l < LANES; l++) denom = denom + acc[l];
+    for (long d = 0; d < hd; d++) out[d] = 0.0f;
+    for (long i2 = 0; i2 < m; i2++) {
+        const float w = p[i2];
+        const float *v = vc + list[i2] * hd;
+        for (long d = 0; d < hd; d++) out[d] = out[d] + w * v[d];
+    }
+    for (long d = 0; d < hd; d++) out[d] = out[d] / denom;
+}
+
+typedef struct {
+    const uint8_t *mask; /* [T, start + T] (1 = may attend) or NULL: causal */
+    const float *cos, *sin; /* [T, head_dim] */
+    float *k, *v;           /* this layer's cache [n_kv, capacity, head_dim] */
+} layer_io;
+
+static void attention_block(const layer_t *L, const layer_io *io, long T, long start, long cap, float *h,
+                            float *x, float *q, float *k, float *v, float *a, float *o) {
+    const long H = L->hidden, nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
+    const float eps = (float)L->eps, off = (float)L->norm_offset;
+    for (long t = 0; t < T; t++) rmsnorm(h + t * H, L->attn_in_norm, off, eps, H, x + t * H);
+    matmul(&L->q, T, x, q);
+    matmul(&L->k, T, x, k);
+    matmul(&L->v, T, x, v);
+    for (long t = 0; t < T; t++) {
+        for (long hh = 0; hh < nh; hh++) {
+            float *qh = q + (t * nh + hh) * hd;
+            if (L->q_norm) rmsnorm(qh, L->q_norm, off, eps, hd, qh);
+            rope(qh, io->cos + t * hd, io->sin + t * hd, hd);
+        }
+        for (long g = 0; g < nkv; g++) {
+            float *kh = k + (t * nkv + g) * hd;
+            if (L->k_norm) rmsnorm(kh, L->k_norm, off, eps, hd, kh);
+            rope(kh, io->cos + t * hd, io->sin + t * hd, hd);
+            memcpy(io->k + (g * cap + start + t) * hd, kh, hd * sizeof(float));
+            memcpy(io->v + (g * cap + start + t) * hd, v + (t * nkv + g) * hd, hd * sizeof(float));
+        }
+    }
+    const long nkeys = start + T;
+#pragma omp parallel
+    {
+        long *list = malloc(nkeys * sizeof(long));
+        float *p = malloc(nkeys * sizeof(float));
+#pragma omp for schedule(static)
+        for (long th = 0; th < T * nh; th++) {
+            const long t = th / nh, hh = th % nh, g = hh / groups;
+            const uint8_t *allow = io->mask ? io->mask + t * nkeys : NULL;
+            const long visible = io->mask ? nkeys : start + t + 1;
+            attend_row(q + (t * nh + hh) * hd, io->k + g * cap * hd, io->v + g * cap * hd, hd, visible, allow,
+                       (float)L->scaling, list, p, a + (t * nh + hh) * hd);
+        }
+        free(list);
+        free(p);
+    }
+    matmul(&L->o, T, a, o);
+    for (long t = 0; t < T; t++) {
+        float *ot = o + t * H;
+        if (L->attn_out_norm) rmsnorm(ot, L->attn_out_norm, off, eps, H, ot);
+        for (long i = 0; i < H; i++) h[t * H + i] = h[t * H + i] + ot[i];
+    }
+}
+
+static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf, float *ubuf, float *o) {
+    const long H = L->hidden, I = L->inter;
+    const float eps = (float)L->eps, off = (float)L->norm_offset;
+    for (long t = 0; t < T; t++) rmsnorm(h + t * H, L->mlp_in_norm, off, eps, H, x + t * H);
+    matmul(&L->gate, T, x, gbuf);
+    matmul(&L->up, T, x, ubuf);
+    activation(L->act, gbuf, ubuf, T * I);
+    matmul(&L->down, T, gbuf, o);
+    for (long t = 0; t < T; t++) {
+        float *ot = o + t * H;
+        if (L->mlp_out_norm) rmsnorm(ot, L->mlp_out_norm, off, eps, H, ot);
+        for (long i = 0; i < H; i++) h[t * H + i] = h[t * H + i] + ot[i];
+    }
+}
+
+/* Runs layers 0..n-1 over h [T, hidden] in place.  skip: [2n] flags (attention of layer i at 2i, MLP at
+ * 2i+1); io: [n] per-layer mask, rotary table and cache buffers; new keys/values go to slots
+ * [start, start + T) of caches with `cap` slots.  Returns 0, or -1 when scratch memory is unavailable. */
+int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
+                          long start, long cap, float *h) {
+    long width = 0, inter = 0;
+    for (long i = 0; i < n; i++) {
+        const layer_t *L = layers + i;
+        const long w = L->hidden > L->n_heads * L->head_dim ? L->hidden : L->n_heads * L->head_dim;
+        width = w > width ? w : width;
+        inter = L->inter > inter ? L->inter : inter;
+    }
+    float *buf = malloc(sizeof(float) * T * (6 * width + 2 * inter));
+    if (!buf) return -1;
+    float *x = buf, *q = x + T * width, *k = q + T * width, *v = k + T * width, *a = v + T * width;
+    float *o = a + T * width, *g = o + T * width, *u = g + T * inter;
+    for (long i = 0; i < n; i++) {
+        const layer_t *L = layers + i;
+        if (!skip[2 * i]) attention_block(L, io + i, T, start, cap, h, x, q, k, v, a, o);
+        if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o);
+    }
+    free(buf);
+    return 0;
+}

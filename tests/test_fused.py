@@ -1,0 +1,116 @@
+"""The fused native decoder stack (selfspec.core.fused): same model as the module path, rows independent of T.
+
+Every check runs on quantised tiny models of all five architectures (Llama, Mistral's window, Qwen2's
+biases, Qwen3's q/k norms, Gemma 3's sandwich norms, GELU and two rotary tables) and on the built-in models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, tiny_model
+
+import selfspec
+from selfspec.core.quant import quantize_linears
+from selfspec.core.skipset import SkipSet
+
+
+def quantised_tiny(arch: str, bits: int = 4) -> selfspec.Model:
+    model = tiny_model(arch, seed=3)
+    quantize_linears(model.hf, bits)
+    return selfspec.model_from_hf(model.hf, model.tokenizer, name=f"tiny-{arch}-int{bits}")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def qtiny(request) -> selfspec.Model:
+    return quantised_tiny(request.param)
+
+
+def prefilled(model: selfspec.Model, prompt_len: int, *, fused: bool):
+    engine = model.engine
+    engine.fused_enabled = fused
+    cache = engine.new_cache(128)
+    ids = torch.arange(prompt_len) % 50 + 5
+    engine.forward(cache, ids, 0, prefill=True, last_only=True)
+    return engine, cache
+
+
+@pytest.fixture(autouse=True)
+def fused_back_on(request):
+    yield
+    for name in ("qtiny",):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).engine.fused_enabled = True
+
+
+@pytest.mark.parametrize("prompt_len", [10, 40])  # 40: past Mistral's (24) and Gemma's (16) sliding windows
+def test_fused_stack_computes_the_modules_model(qtiny, prompt_len):
+    assert qtiny.engine.fused, qtiny.engine.fused_reason
+    new = torch.tensor([7, 8, 9, 10, 11])
+    skip = SkipSet(attention=frozenset({1, 4}), mlp=frozenset({2}))
+    for s in (SkipSet(), skip):
+        engine, cache = prefilled(qtiny, prompt_len, fused=False)
+        ref = engine.forward(cache, new, prompt_len, skip=s)
+        engine, cache = prefilled(qtiny, prompt_len, fused=True)
+        got = engine.forward(cache, new, prompt_len, skip=s)
+        assert got.shape == ref.shape
+        scale = ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= 1e-4 * scale
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("prompt_len", [10, 40])
+def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len):
+    """One-token steps, a chain and a token tree give each token the same logits bit for bit."""
+    engine, cache = prefilled(qtiny, prompt_len, fused=True)
+    a, b, c, d = 7, 8, 9, 10
+    steps = [engine.forward(cache, torch.tensor([tok]), prompt_len + i)[0] for i, tok in enumerate((a, c, d))]
+    engine, cache = prefilled(qtiny, prompt_len, fused=True)
+    chain = engine.forward(cache, torch.tensor([a, c, d]), prompt_len)
+    assert all(torch.equal(chain[i], steps[i]) for i in range(3))
+    # tree: a -> {b, c}, c -> d, linearised as a, b, c, d (d's ancestors a, c sit at slots 0 and 2)
+    engine, cache = prefilled(qtiny, prompt_len, fused=True)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    positions = prompt_len + torch.tensor([0, 1, 1, 2])
+    tree = engine.forward(cache, torch.tensor([a, b, c, d]), prompt_len, positions=positions, tree_mask=mask)
+    assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
+
+
+def test_quantised_tiny_models_decode_losslessly_on_the_fused_path(qtiny):
+    prompt = "Hello there, how are you doing"
+    base = selfspec.generate(qtiny, prompt, "vanilla", max_new_tokens=20)
+    for method in ("swift", "asd", "pld", "auto"):
+        assert selfspec.generate(qtiny, prompt, method, max_new_tokens=20).token_ids == base.token_ids, method
+
+
+def test_the_fused_path_leaves_the_callers_embeddings_alone(qtiny):
+    engine, cache = prefilled(qtiny, 10, fused=True)
+    embeds = torch.randn(2, qtiny.engine.adapter.hidden_size)
+    before = embeds.clone()
+    engine.forward(cache, torch.tensor([0, 0]), 10, input_embeds=embeds)
+    assert torch.equal(embeds, before)
+
+
+def test_fp32_weights_keep_the_module_path(smollm2_fp32):
+    assert not smollm2_fp32.engine.fused
+    assert "quantised" in smollm2_fp32.engine.fused_reason
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_builtin_models_run_fused_and_agree_with_the_module_path(name, request):
+    model = request.getfixturevalue(name)
+    engine = model.engine
+    assert engine.fused, engine.fused_reason
+    ids = torch.tensor(model.tokenizer("The quick brown fox jumps over the lazy dog. " * 60)["input_ids"][:600])
+    new = torch.tensor(model.tokenizer(" and then the cat sat down")["input_ids"][:4])
+    out = {}
+    try:
+        for fused in (False, True):
+            engine.fused_enabled = fused
+            cache = engine.new_cache(700)  # 600 tokens: past Gemma 3's 512-token window
+            engine.forward(cache, ids, 0, prefill=True, last_only=True)
+            out[fused] = engine.forward(cache, new, len(ids))
+    finally:
+        engine.fused_enabled = True
+    assert torch.equal(out[True].argmax(-1), out[False].argmax(-1))
+    assert (out[True] - out[False]).abs().max().item() <= 1e-3 * out[False].abs().max().item()
