@@ -31,6 +31,7 @@ LAYERS = [
     "search",
     "train",
     "bench",
+    "reproduce",  # selfspec reproduce: the papers' key results, through the bench
     "server",  # selfspec serve: HTTP front-end over the API
     "cli",
     "__init__",  # the public facade re-exports from everywhere

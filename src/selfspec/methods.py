@@ -132,7 +132,7 @@ METHODS["swift"] = MethodSpec(
         "needs a fixed skip_ratio)",
         "search": "'local' (default: mutate the best set) or 'paper' (fresh random sets at the ratio)",
         "bo_interval": "a Bayesian optimisation proposal every this many steps (default 25)",
-        "max_steps": "stop optimising after this many steps (default 1000)",
+        "max_steps": "stop optimising after this many steps (default 1000; 0: never optimise, the starting set drafts)",
         "patience": "... or after this many steps without improvement (default 300)",
         "score_threshold": "... or once the best set's matchness exceeds this (default 0.95)",
         "budget": "most optimisation time as a share of decoding time (default 0.1)",

@@ -166,8 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench_parser(sub)
+    from .reproduce import add_reproduce_parser
     from .serve import add_serve_parser
 
+    add_reproduce_parser(sub)
     add_serve_parser(sub)
     return parser
 

@@ -88,9 +88,11 @@ class SwiftConfig:
             if not 0.0 < ratio < 1.0:
                 raise InvalidInputError(f"skip_ratio must be 'auto' or a number in (0, 1), got {self.skip_ratio!r}")
             object.__setattr__(self, "skip_ratio", ratio)
-        for name in ("bo_interval", "max_steps", "patience", "give_up_after"):
+        for name in ("bo_interval", "patience", "give_up_after"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps < 0:  # 0: no optimisation phase, the starting set drafts throughout (paper Table 8)
+            raise InvalidInputError(f"max_steps must be >= 0, got {self.max_steps}")
         if not 0.0 < self.score_threshold <= 1.0:
             raise InvalidInputError(f"score_threshold must be in (0, 1], got {self.score_threshold}")
         if self.objective not in ("speed", "matchness"):
@@ -239,7 +241,8 @@ class SwiftPolicy:
         W = self.config.context_window
         window_ready = len(ctx.generated) >= W + 1 and ctx.cache.capacity - ctx.cache.length >= W
         # every piece of work (rescoring the best set on a new prompt's window, a step) within the time budget
-        if window_ready and state.optimise_seconds <= self.config.budget * state.decode_seconds:
+        optimising = self.config.max_steps > 0
+        if optimising and window_ready and state.optimise_seconds <= self.config.budget * state.decode_seconds:
             prompt_key = (ctx.prompt_len, *ctx.generated[: W + 1])
             if prompt_key != self._window_prompt:
                 self._window_prompt = prompt_key
