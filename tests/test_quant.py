@@ -215,3 +215,42 @@ def test_portable_kernels_without_avx512_agree(tmp_path):
         else:
             lib.selfspec_linear_q8(*args, ctypes.c_long(qw.group), *ptrs, minv, ctypes.c_void_p(y.data_ptr()))
         assert torch.allclose(y, qw.matmul(x), rtol=1e-5, atol=1e-4), kind
+
+
+@pytest.fixture
+def prefill_dtype_reset(monkeypatch):
+    from selfspec.core import quant
+
+    monkeypatch.setattr(quant, "_PREFILL_DTYPE", None)
+    yield quant
+    quant._PREFILL_DTYPE = None  # the next caller measures again
+
+
+def test_prefill_dtype_is_measured_unless_forced(prefill_dtype_reset, monkeypatch):
+    quant = prefill_dtype_reset
+    assert quant.prefill_dtype() in (torch.float32, torch.bfloat16)  # measured on this machine
+    for value, dtype in (("float32", torch.float32), ("bf16", torch.bfloat16)):
+        monkeypatch.setenv(quant.PREFILL_DTYPE_ENV, value)
+        quant._PREFILL_DTYPE = None
+        assert quant.prefill_dtype() == dtype
+    monkeypatch.setenv(quant.PREFILL_DTYPE_ENV, "int3")
+    quant._PREFILL_DTYPE = None
+    with pytest.raises(SelfspecError, match="float32 or bfloat16"):
+        quant.prefill_dtype()
+
+
+def test_bfloat16_prefill_stays_within_rounding_of_float32(prefill_dtype_reset):
+    quant = prefill_dtype_reset
+    model = tiny_model("llama", seed=7)
+    quantize_linears(model.hf, 4)
+    model = selfspec.model_from_hf(model.hf, model.tokenizer, name="tiny-int4-prefill")
+    ids = torch.arange(100) % 60 + 3  # 100 rows: the tiled prefill path
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        quant._PREFILL_DTYPE = dtype
+        cache = model.engine.new_cache(128)
+        logits[dtype] = model.engine.forward(cache, ids, 0, prefill=True)
+    ref, got = logits[torch.float32], logits[torch.bfloat16]
+    assert not torch.equal(ref, got)  # the bf16 path did run
+    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.95

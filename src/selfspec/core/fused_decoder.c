@@ -55,17 +55,50 @@ static void matmul(const qmat *m, long T, const float *x, float *y) {
             for (long n = 0; n < m->N; n++) y[t * m->N + n] = y[t * m->N + n] + m->bias[n];
 }
 
-/* sum of a[i] * b[i] in LANES partial sums (element i in lane i % LANES), added in one fixed order */
+/* Sums over LANES partial sums (element i of a vector in lane i % LANES), the lanes then added pairwise in
+ * one fixed tree (lanes l and l + w for w = 8, 4, 2, 1): the AVX-512 and the portable code compute alike. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline float lane_reduce(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+
+static inline float lane_sum(const float *acc) { return lane_reduce(_mm512_loadu_ps(acc)); }
+
+static inline float dot(const float *a, const float *b, long n) {
+    __m512 acc = _mm512_setzero_ps();
+    long i = 0;
+    for (; i + LANES <= n; i += LANES)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        acc = _mm512_mask_add_ps(acc, m, acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + i),
+                                                            _mm512_maskz_loadu_ps(m, b + i)));
+    }
+    return lane_reduce(acc);
+}
+#else
+static inline float lane_sum(const float *lanes) {
+    float acc[LANES];
+    for (int l = 0; l < LANES; l++) acc[l] = lanes[l];
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] = acc[l] + acc[l + w];
+    return acc[0];
+}
+
 static inline float dot(const float *a, const float *b, long n) {
     float acc[LANES] = {0};
     long i = 0;
     for (; i + LANES <= n; i += LANES)
         for (int l = 0; l < LANES; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
     for (int l = 0; i < n; i++, l++) acc[l] = acc[l] + a[i] * b[i];
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s = s + acc[l];
-    return s;
+    return lane_sum(acc);
 }
+#endif
 
 static void rmsnorm(const float *x, const float *w, float offset, float eps, long n, float *out) {
     const float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
@@ -135,8 +168,7 @@ static void attend_row(const float *q, const float *kc, const float *vc, long hd
     for (; i + LANES <= m; i += LANES)
         for (int l = 0; l < LANES; l++) acc[l] = acc[l] + p[i + l];
     for (int l = 0; i < m; i++, l++) acc[l] = acc[l] + p[i];
-    float denom = 0.0f;
-    for (int l = 0; l < LANES; l++) denom = denom + acc[l];
+    const float denom = lane_sum(acc);
     for (long d = 0; d < hd; d++) out[d] = 0.0f;
     for (long i2 = 0; i2 < m; i2++) {
         const float w = p[i2];
