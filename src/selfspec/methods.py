@@ -23,6 +23,7 @@ from .drafters.layerskip import (
     PaperTreeWidths,
 )
 from .errors import InvalidInputError
+from .policies.asd import AutoAsdConfig, AutoAsdPolicy, DraftGate
 from .policies.skip import ASD_VARIANTS, AsdPolicy, StaticPolicy
 from .policies.swift import SwiftConfig, SwiftPolicy
 
@@ -44,13 +45,43 @@ class MethodSpec:
     build_drafter: Callable[[dict[str, Any]], Drafter] | None = None  # default: D&V's chain drafting
 
 
-def _asd(opts: dict[str, Any]) -> AsdPolicy:
+ASD_PINNED = ("alpha", "m", "n", "variant")  # ADMG's own values: giving one pins ADMG (preset=paper)
+ASD_AUTO_ONLY = ("explore_every",)
+
+
+def _asd_preset(opts: dict[str, Any]) -> str:
+    """'auto' (the default) or 'paper'; alpha, m, n or variant given imply 'paper'."""
+    pinned = [k for k in ASD_PINNED if k in opts]
+    preset = str(opts.get("preset", "paper" if pinned else "auto"))
+    if preset not in ("auto", "paper"):
+        raise InvalidInputError(f"preset must be 'auto' or 'paper', got {preset!r}")
+    if preset == "auto" and pinned:
+        raise InvalidInputError(
+            f"preset=auto chooses alpha, m and n itself; drop {', '.join(pinned)} or use preset=paper"
+        )
+    given = [k for k in ASD_AUTO_ONLY if k in opts]
+    if preset == "paper" and given:
+        raise InvalidInputError(f"{', '.join(given)} applies to preset=auto only (ADMG's values are pinned)")
+    return preset
+
+
+def _asd(opts: dict[str, Any]) -> AsdPolicy | AutoAsdPolicy:
+    if _asd_preset(opts) == "auto":
+        return AutoAsdPolicy(AutoAsdConfig(explore_every=int(opts.get("explore_every", 16))))
     return AsdPolicy(
         alpha=float(opts.get("alpha", 0.985)),
         m=int(opts.get("m", 3)),
         n=int(opts.get("n", 2)),
         variant=str(opts.get("variant", "admg")),
     )
+
+
+def _asd_drafter(opts: dict[str, Any]) -> Drafter:
+    """D&V's chain drafting; under preset=auto behind the gate through which the policy skips losing rounds."""
+    drafter = _chain_drafter(opts)
+    if _asd_preset(opts) == "auto":
+        drafter.length = DraftGate(drafter.length)
+    return drafter
 
 
 def _static(opts: dict[str, Any]) -> StaticPolicy:
@@ -69,15 +100,22 @@ METHODS: dict[str, MethodSpec] = {
     "vanilla": MethodSpec("vanilla", "plain autoregressive decoding on our engine (the baseline)", {}, None),
     "asd": MethodSpec(
         "asd",
-        "ASD: skip set from prefill cosine similarity (ADMG), per prompt",
+        "ASD: skip set from prefill cosine similarity (ADMG), per prompt; alpha/m/n chosen by expected speedup",
         {
-            "alpha": "cosine threshold: attention sublayers with mean cosine >= alpha are skipped (default 0.985)",
-            "m": "rule 1: skip every m-th layer's attention and MLP (default 3)",
-            "n": "rule 2: never skip the last n layers (default 2)",
-            "variant": "ablation: " + "; ".join(f"{k} = {v}" for k, v in ASD_VARIANTS.items()),
+            "preset": "'auto' (default: alpha, m and n chosen per model and machine from the cosine profile, the "
+            "acceptance observed and the measured costs; rounds that would lose are plain decoding) or 'paper' "
+            "(alpha 0.985, m 3, n 2; implied by giving alpha, m, n or variant)",
+            "alpha": "preset=paper: cosine threshold: attention sublayers with mean cosine >= alpha are skipped "
+            "(default 0.985)",
+            "m": "preset=paper: rule 1: skip every m-th layer's attention and MLP (default 3)",
+            "n": "preset=paper: rule 2: never skip the last n layers (default 2)",
+            "variant": "preset=paper: ablation: " + "; ".join(f"{k} = {v}" for k, v in ASD_VARIANTS.items()),
+            "explore_every": "preset=auto: while no choice pays, draft once after this many plain rounds "
+            "(default 16; the wait doubles, up to 8x, while drafting keeps losing)",
             **DRAFT_OPTIONS,
         },
         _asd,
+        _asd_drafter,
     ),
     "static": MethodSpec(
         "static",

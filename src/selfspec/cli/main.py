@@ -24,9 +24,11 @@ from .args import add_model_args, add_sampling_args, sampling_params
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("method options (defaults: the papers' values)")
-    g.add_argument("--alpha", type=float, help="ASD cosine threshold (0.985)")
-    g.add_argument("--m", type=int, help="ASD rule 1: skip every m-th layer (3)")
-    g.add_argument("--n", type=int, help="ASD rule 2: keep the last n layers (2)")
+    g.add_argument("--preset", choices=("auto", "paper"),
+                   help="ASD: 'auto' (default: alpha, m, n chosen by expected speedup) or 'paper' (fixed values)")
+    g.add_argument("--alpha", type=float, help="ASD cosine threshold (preset paper: 0.985)")
+    g.add_argument("--m", type=int, help="ASD rule 1: skip every m-th layer (preset paper: 3)")
+    g.add_argument("--n", type=int, help="ASD rule 2: keep the last n layers (preset paper: 2)")
     g.add_argument("--variant", help="ASD ablation: admg, cs, cs+r2, r1+r2")
     g.add_argument("--skip-set", help="static/selfsd: skip set JSON file or literal")
     g.add_argument("--max-draft", type=int, help="most draft tokens per round (12)")
@@ -60,7 +62,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--search-seed", type=int, help="random seed of the skip-set search (0)")
 
 
-OPTION_NAMES = ("alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
+OPTION_NAMES = ("preset", "alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
                 "max_ngram", "min_ngram",
                 "adapter", "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
                 "patience", "score_threshold", "budget", "give_up_after", "schedule", "epsilon", "tree")  # fmt: skip
@@ -380,7 +382,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
             extra = {"quantization": model.quantization, "quantized_products": measure_products(model.hf)}
         print(json.dumps({**report.to_dict(), "bound_ms": report.bound_ms, "step_ms": steps,
-                          "extra_bytes": model.adapter.kernel_memory(), **extra}))  # fmt: skip
+                          "extra_bytes": model.adapter.kernel_memory(), **_engine_paths(model), **extra}))  # fmt: skip
         return 0
     print(format_report(report, steps[1] if report.bandwidth_gbs else None))
     if model.quantization != "none":
@@ -389,9 +391,23 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
         print(f"\nweights kept quantised ({model.quantization}): {quantized_bytes(model.hf) / 1e6:.0f} MB")
         print(format_products(measure_products(model.hf), read_bandwidth_gbs()))
+    paths = _engine_paths(model)
+    print(f"decoder layers: {paths['decoder_layers']}; prompt prefill products: {paths['prefill_dtype']}")
     print("full-model pass over T new tokens (ms): " + ", ".join(f"T={t} {ms:.1f}" for t, ms in steps.items()))
     print(f"prepared weight copies (packed / low precision) in use: {model.adapter.kernel_memory() / 1e6:.0f} MB")
     return 0
+
+
+def _engine_paths(model) -> dict[str, str]:
+    """Which code runs a decoding pass and which dtype the prompt's products use (quantised weights)."""
+    engine = model.engine
+    layers = "fused native stack (one C call per pass)" if engine.fused else f"torch modules ({engine.fused_reason})"
+    prefill = "float32"
+    if model.quantization != "none":
+        from ..core.quant import prefill_dtype
+
+        prefill = str(prefill_dtype()).replace("torch.", "") + " (measured; SELFSPEC_PREFILL_DTYPE overrides)"
+    return {"decoder_layers": layers, "prefill_dtype": prefill}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,6 +128,7 @@ def profile_key(model) -> str:
     if quant != "none":
         place += "-" + "".join(ch if ch.isalnum() else "_" for ch in quant)
     kernels = getattr(getattr(model, "kernel_report", None), "key", "")  # costs follow the kernels chosen
+    kernels += "|" + getattr(getattr(model, "engine", None), "path_signature", "")  # ... and the native code
     digest = hashlib.sha1(f"{model.name}|{shape}|{place}|{torch.__version__}|{kernels}".encode()).hexdigest()[:10]
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model.name.split("/")[-1])
     return f"{safe}-{shape}-{place}-{digest}"

@@ -48,6 +48,8 @@ class Engine:
             except quant.NativeUnavailable as exc:
                 self.fused_reason = str(exc)
         self.fused_enabled = self._fused is not None  # tests switch it off to compare with the module path
+        # which code computes a pass (the cost profile's cache key: another build of the native code costs anew)
+        self.path_signature = quant.library_path().stem if self._fused is not None else "modules"
 
     @property
     def fused(self) -> bool:

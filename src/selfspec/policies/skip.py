@@ -6,7 +6,9 @@ of every verification.  Methods differ only in their policy:
 
 * :class:`StaticPolicy` -- a fixed skip set (Self-SD / Draft & Verify style).
 * :class:`AsdPolicy` -- ASD's Adaptive Draft Model Generator (Algorithm 1 of
-  "Draft on the Fly"), chosen afresh for every prompt.
+  "Draft on the Fly"), chosen afresh for every prompt, with the paper's fixed
+  alpha / m / n (``asd:preset=paper``).  The default of ``method="asd"`` chooses
+  them by expected speedup: :class:`~selfspec.policies.asd.AutoAsdPolicy`.
 """
 
 from __future__ import annotations

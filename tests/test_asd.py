@@ -1,0 +1,250 @@
+"""ASD that pays (``asd``, preset auto): ADMG's alpha / m / n chosen by expected speedup; and ``preset=paper``.
+
+Whole decodings on tiny random models check that the automatic choice never
+changes the output (greedy, and coupled sampling with a seed) and that it
+stops drafting when no candidate can pay; hand-written costs and acceptances
+check the choice itself, without timing anything.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from conftest import ARCHS, tiny_model
+
+import selfspec
+from selfspec.core.skipset import SkipSet
+from selfspec.cost.costs import CostProfile, DraftCosts
+from selfspec.decoding.loop import prefill_cosine
+from selfspec.drafters.layerskip import AdaptiveDraftExit
+from selfspec.errors import InvalidInputError
+from selfspec.methods import build_policies
+from selfspec.model.engine import SublayerCosine
+from selfspec.policies.asd import (
+    AutoAsdPolicy,
+    CandidateKey,
+    DraftGate,
+    Option,
+    candidate_keys,
+    choose,
+    expected_speedup,
+)
+from selfspec.policies.skip import AsdPolicy, admg
+from selfspec.policies.swift import predicted_speedup
+
+PROMPTS = ["abcabcabd abcab", "the cat sat on the mat. the cat", "0123456789 0123"]
+FLAT_VERIFY = {1: 10.0, 2: 10.2, 4: 10.5, 8: 11.0, 16: 12.0, 32: 14.0, 64: 18.0}
+
+
+def cheap_profile(num_layers: int) -> CostProfile:
+    """A full draft step costs 95% of a full step, each skipped sublayer saves its share; verification nearly
+    flat: drafting pays with a set that is skipped cheaply and accepted well."""
+    per_sublayer = 9.0 / (2 * num_layers)
+    return CostProfile("cheap", FLAT_VERIFY, {"same": DraftCosts(per_sublayer, per_sublayer, 0.5, 1.0)}, num_layers)
+
+
+def dear_profile(num_layers: int) -> CostProfile:
+    """A draft step costs a full step whatever is skipped (our quantised models, nearly): nothing can pay."""
+    return CostProfile("dear", FLAT_VERIFY, {"same": DraftCosts(0.0, 0.0, 10.0, 1.0)}, num_layers)
+
+
+def session_with(model, profile: CostProfile, **options) -> selfspec.Session:
+    session = selfspec.Session(model, "asd", draft_dtype="same", **options)
+    session.skip_policy = AutoAsdPolicy(profile=profile)
+    return session
+
+
+COS8 = SublayerCosine(attention=(0.50, 0.99, 0.97, 0.995, 0.99, 0.60, 0.999, 0.999), mlp=(0.95,) * 8)
+
+
+# -- lossless ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_asd_is_token_identical_to_vanilla(arch):
+    model = tiny_model(arch)
+    session = session_with(model, cheap_profile(model.num_layers))
+    drafted = 0
+    for prompt in PROMPTS:
+        base = selfspec.generate(model, prompt, "vanilla", max_new_tokens=32)
+        out = session.generate(prompt, max_new_tokens=32)
+        assert out.token_ids == base.token_ids, (arch, prompt)
+        drafted += out.stats.drafted
+    assert drafted > 0, "cheap drafts: the policy drafted"
+    assert session.skip_policy.learner.records, "what was learned is kept across prompts"
+
+
+def test_auto_asd_under_coupled_sampling_emits_vanilla_samplings_tokens():
+    model = tiny_model("llama", seed=7)
+    session = session_with(model, cheap_profile(model.num_layers))
+    drafted = 0
+    for seed in (1, 2, 3):
+        kw = {"temperature": 0.8, "top_p": 0.95, "seed": seed}
+        base = selfspec.generate(model, PROMPTS[0], "vanilla", max_new_tokens=40, **kw)
+        out = session.generate(PROMPTS[0], max_new_tokens=40, **kw)
+        assert out.token_ids == base.token_ids, seed
+        drafted += out.stats.drafted
+    assert drafted > 0
+
+
+def test_default_asd_with_measured_costs_is_lossless(tiny_llama):
+    """The real default path: the tiny model's measured profile, the auto draft precision."""
+    for prompt in PROMPTS[:2]:
+        base = selfspec.generate(tiny_llama, prompt, "vanilla", max_new_tokens=24)
+        assert selfspec.generate(tiny_llama, prompt, "asd", max_new_tokens=24).token_ids == base.token_ids
+
+
+# -- falling back to plain decoding --------------------------------------------------------------
+
+
+def test_no_draft_when_no_candidate_can_pay(tiny_llama):
+    session = session_with(tiny_llama, dear_profile(tiny_llama.num_layers))
+    for prompt in PROMPTS:
+        base = selfspec.generate(tiny_llama, prompt, "vanilla", max_new_tokens=40)
+        out = session.generate(prompt, max_new_tokens=40)
+        assert out.token_ids == base.token_ids
+        assert out.stats.drafted == 0 and out.stats.forwards == 40  # one verified token per round
+    assert not session.skip_policy.choice.pays
+
+
+def fake_model(num_layers: int, name: str = "fake") -> SimpleNamespace:
+    """What the policy reads of a model: its name and shape (costs come from the injected profile)."""
+    return SimpleNamespace(name=name, num_layers=num_layers, hf=SimpleNamespace(config=SimpleNamespace(model_type="x")))
+
+
+def drive(policy: AutoAsdPolicy, rounds: int, accepted_of) -> list[SkipSet]:
+    """Run the policy's side of ``rounds`` decoding rounds; ``accepted_of(skip)``: tokens kept of 4 drafted.
+    Returns the skip sets of the rounds that drafted."""
+    used = []
+    for _ in range(rounds):
+        skip = policy.before_round(None)
+        if policy.drafting():
+            used.append(skip)
+            policy.observe(4, accepted_of(skip))
+    return used
+
+
+def test_losing_drafts_fall_back_and_are_retried_rarely():
+    """Drafting could pay (cheap steps) but every draft is rejected: after a few rounds no round drafts,
+    except an occasional exploring one, ever rarer."""
+    policy = AutoAsdPolicy(profile=cheap_profile(8))
+    policy.bind(fake_model(8))
+    policy.propose(COS8, 8)
+    early = drive(policy, 20, lambda skip: 0)
+    late = drive(policy, 400, lambda skip: 0)
+    assert len(early) < 20 and not policy.choice.pays
+    assert 1 <= len(late) <= 400 // 16, "tries again now and then, never more often than every 16 rounds"
+
+
+def test_a_gate_closed_by_the_policy_stops_the_drafter():
+    gate = DraftGate(AdaptiveDraftExit(max_draft=5), gate=lambda: False)
+    assert gate.max_draft == 5 and not gate.begin_round()
+    gate.gate = lambda: True
+    assert gate.begin_round() and gate.should_stop(5, 0.99)
+
+
+# -- the choice on hand-written inputs ------------------------------------------------------------
+
+
+def test_choose_prefers_the_candidate_expected_to_pay_most():
+    verify = [FLAT_VERIFY[1] / 10.0 + 0.02 * k for k in range(1, 13)]
+    key = CandidateKey(0.0, None, 2)
+    options = [Option(key, SkipSet.of([1], []), cost, 0.0) for cost in (0.9, 0.6, 0.3, 0.1)]
+    # the cheapest drafts are rarely accepted; the 0.3-cost one often
+    estimates = [(0.9, 0.92), (0.85, 0.88), (0.8, 0.83), (0.05, 0.1)]
+    choice = choose(options, estimates, verify, reach=1)
+    assert choice.pick == 2 and choice.pays and choice.mean_speedup > 1.5
+    losing = choose(options, [(0.0, 0.01)] * 4, verify, reach=1)
+    assert not losing.pays
+
+
+def test_the_policy_settles_on_a_well_accepted_cheap_candidate():
+    """Small sets are kept (4 of 4 drafted), larger ones never: the policy ends up drafting with a small set."""
+    policy = AutoAsdPolicy(profile=cheap_profile(8))
+    policy.bind(fake_model(8))
+    policy.propose(COS8, 8)
+    drive(policy, 300, lambda skip: 4 if len(skip) <= 3 else 0)
+    assert policy.choice.pays
+    chosen = policy.options[policy.choice.pick].skip
+    assert 1 <= len(chosen) <= 3
+    used = drive(policy, 50, lambda skip: 4 if len(skip) <= 3 else 0)
+    assert len(used) == 50 and all(len(s) <= 3 for s in used[-10:])
+
+
+def test_what_is_learned_carries_over_to_the_next_prompt():
+    policy = AutoAsdPolicy(profile=cheap_profile(8))
+    policy.bind(fake_model(8))
+    policy.propose(COS8, 8)
+    drive(policy, 200, lambda skip: 4 if len(skip) <= 3 else 0)
+    policy.bind(fake_model(8))
+    other = SublayerCosine(attention=tuple(reversed(COS8.attention)), mlp=COS8.mlp)
+    policy.propose(other, 8)
+    assert policy.choice.pays, "the next prompt starts from what the first taught"
+    policy.bind(fake_model(8, name="other"))
+    assert not policy.learner.records, "another model starts afresh"
+
+
+def test_expected_speedup_is_swifts_formula():
+    prof = cheap_profile(8)
+    verify = [prof.forward(k + 1) / prof.forward(1) for k in range(1, 17)]
+    for skip in (SkipSet.of([1, 2], [3]), SkipSet.of(range(6), range(6))):
+        for a in (0.0, 0.3, 0.8, 1.0):
+            assert expected_speedup(a, prof.draft_ratio(skip), verify) == pytest.approx(
+                predicted_speedup(prof, skip, a, "same", 16)
+            )
+
+
+def test_candidates_follow_the_cosine_profile_and_run_conservative_to_aggressive():
+    keys = candidate_keys()
+    assert len(keys) == len(set(keys)) and CandidateKey(0.0, None, 2) in keys
+    assert CandidateKey(0.0, None, 2).skip_set(COS8) == SkipSet()
+    # a quarter of the 6 unguarded attention sublayers (n=2): the 2 of highest cosine (indices 3 and 1 or 4)
+    assert CandidateKey(0.25, None, 2).skip_set(COS8) == admg(COS8, alpha=0.99, m=1, n=2, variant="cs+r2")
+    policy = AutoAsdPolicy(profile=cheap_profile(8))
+    policy.bind(fake_model(8))
+    policy.propose(COS8, 8)
+    costs = [o.cost for o in policy.options]
+    assert costs == sorted(costs, reverse=True)
+    assert len({o.skip for o in policy.options}) == len(policy.options)
+    assert SkipSet() not in {o.skip for o in policy.options}, "the full model drafting in its own precision never pays"
+
+
+# -- the paper's preset ---------------------------------------------------------------------------
+
+
+def test_preset_paper_reproduces_the_old_skip_sets(tiny_llama):
+    skip_policy, drafter = build_policies("asd", {"preset": "paper"})
+    assert isinstance(skip_policy, AsdPolicy) and not isinstance(drafter.length, DraftGate)
+    assert skip_policy.propose(COS8, 8) == admg(COS8, alpha=0.985, m=3, n=2)
+    out = selfspec.generate(tiny_llama, PROMPTS[0], "asd", preset="paper", max_new_tokens=16)
+    cos = prefill_cosine(tiny_llama, tiny_llama.encode(PROMPTS[0]))
+    assert out.stats.skip_set == admg(cos, alpha=0.985, m=3, n=2).to_dict()
+
+
+def test_admg_values_and_variants_imply_the_paper_preset():
+    for opts in ({"alpha": 0.99}, {"m": 4}, {"n": 3}, {"variant": "cs"}, {"variant": "r1+r2", "preset": "paper"}):
+        skip_policy, drafter = build_policies("asd", opts)
+        assert isinstance(skip_policy, AsdPolicy), opts
+    assert build_policies("asd", {"variant": "cs"})[0].propose(COS8, 8) == admg(COS8, alpha=0.985, m=3, n=2,
+                                                                                  variant="cs")  # fmt: skip
+    skip_policy, drafter = build_policies("asd", {})
+    assert isinstance(skip_policy, AutoAsdPolicy) and isinstance(drafter.length, DraftGate)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"preset": "fast"}, "preset must be 'auto' or 'paper'"),
+        ({"preset": "auto", "alpha": 0.99}, "preset=auto chooses alpha, m and n itself"),
+        ({"preset": "auto", "variant": "cs"}, "drop variant"),
+        ({"explore_every": 0}, "explore_every must be >= 1"),
+        ({"explore_every": "often"}, "bad option value"),
+        ({"preset": "paper", "explore_every": 4}, "preset=auto only"),
+        ({"alpha": 1.5}, "alpha must be in"),
+        ({"variant": "x"}, "unknown ASD variant"),
+    ],
+)
+def test_bad_asd_options_are_clear_errors(options, message):
+    with pytest.raises(InvalidInputError, match=message):
+        build_policies("asd", options)
