@@ -102,7 +102,8 @@ def test_garbage_lookup_drafts_never_change_the_output(tiny_llama, monkeypatch):
 
 
 def test_a_losing_layer_skip_source_sits_out_but_still_explores():
-    from selfspec.drafters.hybrid import EXPLORE_EVERY
+    """It explores after EXPLORE_EVERY idle rounds, then after twice as many each time it still loses, capped."""
+    from selfspec.drafters.hybrid import EXPLORE_EVERY, MAX_BACKOFF
 
     lookup = PromptLookupDrafter()
     lookup._profile = FlatProfile(0.1)
@@ -110,9 +111,13 @@ def test_a_losing_layer_skip_source_sits_out_but_still_explores():
     hybrid = HybridDrafter(lookup, layerskip)
     hybrid.skip_gain = 0.6  # its rounds have been earning 0.6 tokens per vanilla step
     history = list(range(100))  # no n-gram repeats: the lookup source has nothing
-    rounds = 3 * (EXPLORE_EVERY + 1)
-    for _ in range(rounds):
+    waits = [EXPLORE_EVERY * min(2**i, MAX_BACKOFF) for i in range(6)]  # 16, 32, 64, 128, 128, 128
+    explored_at, rounds = [], sum(w + 1 for w in waits)
+    for r in range(rounds):
+        calls = layerskip.calls
         out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20,
                              sampler=GREEDY_SAMPLER)  # fmt: skip
         hybrid.observe(out, [0], tokens=1, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)
-    assert layerskip.calls == 3, "one exploring round in every EXPLORE_EVERY + 1"
+        if layerskip.calls > calls:
+            explored_at.append(r)
+    assert explored_at == [sum(w + 1 for w in waits[: i + 1]) - 1 for i in range(len(waits))]

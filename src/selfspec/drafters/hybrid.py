@@ -38,6 +38,7 @@ from .lookup import PromptLookupDrafter
 
 SMOOTHING = 0.2  # weight of the newest round in the layer-skip source's measured gain
 EXPLORE_EVERY = 16  # a layer-skip source that loses time still drafts once in this many rounds it could have
+MAX_BACKOFF = 8  # ... or, while its exploring rounds keep losing, in up to this many times as many
 
 
 @dataclass
@@ -58,6 +59,8 @@ class HybridDrafter:
         self.skip_gain = 1.0  # layer-skip rounds' measured tokens per vanilla step (1: break-even)
         self._source: str | None = None
         self._idle = 0  # rounds the losing layer-skip source sat out since it last drafted
+        self._wait = EXPLORE_EVERY  # rounds it sits out before exploring again (doubles while exploring loses)
+        self._exploring = False
         self.sources = {"lookup": SourceStats(), "layerskip": SourceStats()}
 
     # -- the Drafter protocol -------------------------------------------------------------------
@@ -85,10 +88,11 @@ class HybridDrafter:
         if outcome is not None and self.lookup.last_gain >= self.skip_gain:
             self._source = "lookup"
             return outcome
-        if self.skip_gain < 1.0 and self._idle < EXPLORE_EVERY:  # layer-skip rounds have been losing time
-            self._idle += 1
+        if self.skip_gain < 1.0 and self._idle < min(self._wait, EXPLORE_EVERY * MAX_BACKOFF):
+            self._idle += 1  # layer-skip rounds have been losing time
             self._source = None
             return None
+        self._exploring = self.skip_gain < 1.0
         self._idle = 0
         self._source = "layerskip"
         return self.layerskip.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler)
@@ -101,7 +105,10 @@ class HybridDrafter:
         drafter = self.lookup if source == "lookup" else self.layerskip
         drafter.observe(outcome, path, tokens=tokens, round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms)
         self._source = None
+        exploring, self._exploring = self._exploring, False
         if outcome is None or not outcome.steps:
+            if exploring:  # it declined to draft: nothing pays yet
+                self._wait = min(2 * self._wait, EXPLORE_EVERY * MAX_BACKOFF)
             return
         st = self.sources[source]
         st.rounds += 1
@@ -113,6 +120,10 @@ class HybridDrafter:
             step_ms = econ.verify_ms(1) if econ is not None else verify_ms
             gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
             self.skip_gain = (1 - SMOOTHING) * self.skip_gain + SMOOTHING * gain
+            if self.skip_gain >= 1.0:
+                self._wait = EXPLORE_EVERY
+            elif exploring and gain < 1.0:
+                self._wait = min(2 * self._wait, EXPLORE_EVERY * MAX_BACKOFF)
 
     def source_stats(self) -> dict[str, dict]:
         return {name: asdict(st) for name, st in self.sources.items()}
