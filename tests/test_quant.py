@@ -226,10 +226,11 @@ def prefill_dtype_reset(monkeypatch):
     quant._PREFILL_DTYPE = None  # the next caller measures again
 
 
-def test_prefill_dtype_is_measured_unless_forced(prefill_dtype_reset, monkeypatch):
+def test_prefill_dtype_is_float32_unless_asked(prefill_dtype_reset, monkeypatch):
     quant = prefill_dtype_reset
-    assert quant.prefill_dtype() in (torch.float32, torch.bfloat16)  # measured on this machine
-    for value, dtype in (("float32", torch.float32), ("bf16", torch.bfloat16)):
+    monkeypatch.delenv(quant.PREFILL_DTYPE_ENV, raising=False)
+    assert quant.prefill_dtype() == torch.float32
+    for value, dtype in (("bf16", torch.bfloat16), ("float32", torch.float32)):
         monkeypatch.setenv(quant.PREFILL_DTYPE_ENV, value)
         quant._PREFILL_DTYPE = None
         assert quant.prefill_dtype() == dtype
@@ -237,6 +238,9 @@ def test_prefill_dtype_is_measured_unless_forced(prefill_dtype_reset, monkeypatc
     quant._PREFILL_DTYPE = None
     with pytest.raises(SelfspecError, match="float32 or bfloat16"):
         quant.prefill_dtype()
+    quant.set_prefill_dtype("bfloat16")
+    assert quant.prefill_dtype() == torch.bfloat16
+    assert quant.bfloat16_speedup() > 0
 
 
 def test_bfloat16_prefill_stays_within_rounding_of_float32(prefill_dtype_reset):

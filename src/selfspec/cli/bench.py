@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidInputError
-from .args import add_model_args, add_sampling_args, sampling_argv, sampling_params
+from .args import add_model_args, add_sampling_args, load_model, sampling_argv, sampling_params
 
 METHODS_SYNTAX = """\
 method specs (--methods):
@@ -138,12 +138,6 @@ def _categories(args: argparse.Namespace, name: str) -> list[str] | None:
     return [c.strip() for c in args.categories.split(",") if c.strip()] if name == SPEC_BENCH else None
 
 
-def _load_model(args: argparse.Namespace):
-    from ..model.models import load
-
-    return load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -166,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench.llamacpp import ENV
 
         os.environ[ENV] = args.llama_cpp  # where the llamacpp peer looks first (after its own bin= option)
-    model = _load_model(args)
+    model = load_model(args)
     chat = model.has_chat_template
     prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=chat, offset=args.offset,
                                                          categories=_categories(args, name))]  # fmt: skip

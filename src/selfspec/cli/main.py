@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InvalidInputError, SelfspecError
-from .args import add_model_args, add_sampling_args, sampling_params
+from .args import add_model_args, add_sampling_args, load_model, sampling_params
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -201,7 +201,6 @@ def _as_prompt(text: str, args: argparse.Namespace, model) -> str | list[dict]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from ..api import Session
     from ..methods import build_policies
-    from ..model.models import load
 
     options = _method_options(args)
     build_policies(args.method, options)  # validate before the (slow) model load
@@ -209,7 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = _sampling_kwargs(args)
     text = _read_prompt_text(args)
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
+    model = load_model(args)
     prompt = _as_prompt(text, args, model)
     session = Session(model, args.method, **options)
     # identity to vanilla is defined when greedy, or under coupled sampling with one seed for both runs
@@ -280,7 +279,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     from ..core.skipset import SkipSet
     from ..datasets import load_prompts
     from ..methods import build_policies
-    from ..model.models import load
     from ..search.offline import search_skip_set
 
     for name, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -293,7 +291,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     draft = {k: getattr(args, k) for k in ("max_draft", "draft_length", "gamma") if getattr(args, k) is not None}
     build_policies("static", {"skip_set": SkipSet(), **draft})  # draft options checked before the (slow) model load
     load_prompts(args.dataset, limit=1, chat=False)  # unknown dataset: fail before loading the model
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
+    model = load_model(args)
     prompts = load_prompts(args.dataset, limit=args.limit, chat=model.has_chat_template, offset=args.offset)
     calibration = {"dataset": args.dataset, "offset": args.offset, "limit": args.limit}
     result = search_skip_set(
@@ -315,7 +313,6 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def cmd_train_s3d(args: argparse.Namespace) -> int:
     from ..drafters.s3d import S3DConfig
-    from ..model.models import load
     from ..train.s3d import train_s3d
 
     for name, value, low in (("--steps", args.steps, 1), ("--gamma", args.gamma, 1), ("--rank", args.rank, 1),
@@ -332,7 +329,7 @@ def cmd_train_s3d(args: argparse.Namespace) -> int:
         except ValueError:
             raise InvalidInputError(f"--skip must look like FROM-TO (e.g. 8-22), got {args.skip!r}") from None
         skip = (lo, hi + 1)
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
+    model = load_model(args)
     if skip is None:
         config = S3DConfig.default(model.num_layers, args.gamma)
         config = S3DConfig(config.skip_from, config.skip_to, args.gamma, args.rank)
@@ -366,13 +363,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_kernels(args: argparse.Namespace) -> int:
     from ..core.kernel_plan import format_report
     from ..cost.costs import decode_step_ms
-    from ..model.models import load
 
     if args.force:
         from ..core.kernel_plan import forget_cached_plans
 
         forget_cached_plans()  # measured afresh while loading
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
+    model = load_model(args)
     report = model.kernel_report
     steps = decode_step_ms(model)
     if args.json:
@@ -393,6 +389,10 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         print(format_products(measure_products(model.hf), read_bandwidth_gbs()))
     paths = _engine_paths(model)
     print(f"decoder layers: {paths['decoder_layers']}; prompt prefill products: {paths['prefill_dtype']}")
+    if model.quantization != "none":
+        from ..core.quant import bfloat16_speedup
+
+        print(f"bfloat16 prefill products would be {bfloat16_speedup():.1f}x faster here (--prefill-dtype bfloat16)")
     print("full-model pass over T new tokens (ms): " + ", ".join(f"T={t} {ms:.1f}" for t, ms in steps.items()))
     print(f"prepared weight copies (packed / low precision) in use: {model.adapter.kernel_memory() / 1e6:.0f} MB")
     return 0
@@ -406,7 +406,7 @@ def _engine_paths(model) -> dict[str, str]:
     if model.quantization != "none":
         from ..core.quant import prefill_dtype
 
-        prefill = str(prefill_dtype()).replace("torch.", "") + " (measured; SELFSPEC_PREFILL_DTYPE overrides)"
+        prefill = str(prefill_dtype()).replace("torch.", "")
     return {"decoder_layers": layers, "prefill_dtype": prefill}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidInputError
-from .args import add_model_args
+from .args import add_model_args, load_model
 
 
 def add_reproduce_parser(sub: Any) -> argparse.ArgumentParser:
@@ -62,12 +62,6 @@ def _command_line(args: argparse.Namespace, limit: int, max_new_tokens: int, out
     return shlex.join(argv)
 
 
-def _load_model(args: argparse.Namespace):
-    from ..model.models import load
-
-    return load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
-
-
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -87,7 +81,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     console.print(f"selfspec reproduce {target.name}: {target.summary}\ncommand: {opts.command}", highlight=False,
                   soft_wrap=True)  # one line: the command stays copyable
-    model = _load_model(args)
+    model = load_model(args)
     rep = target.run(model, opts, None)
     paths = write_reproduction(rep, out)
     print_reproduction(rep, console)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import InvalidInputError
-from .args import add_model_args
+from .args import add_model_args, load_model
 
 
 def add_serve_parser(sub) -> None:
@@ -33,7 +33,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..methods import METHODS
-    from ..model.models import load
     from ..server.app import Limits, allowed_methods, create_app
     from ..server.worker import Worker
 
@@ -43,7 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be in 1..65535, got {args.port}")
     if args.queue_size < 1 or args.max_tokens < 1:
         raise InvalidInputError("--queue-size and --max-tokens must be at least 1")
-    model = load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize)
+    model = load_model(args)
     worker = Worker(model, args.method, allowed=allowed_methods(args.method), queue_size=args.queue_size,
                     state_path=args.state)  # fmt: skip
     worker.start()

@@ -79,27 +79,34 @@ def bulk_rows() -> Iterator[None]:
 
 _PREFILL_DTYPE: torch.dtype | None = None
 PREFILL_DTYPE_ENV = "SELFSPEC_PREFILL_DTYPE"
+PREFILL_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                  "bf16": torch.bfloat16}  # fmt: skip
+
+
+def set_prefill_dtype(name: str) -> None:
+    """Process-wide: the dtype the prompt's many-row products compute in (see :func:`prefill_dtype`)."""
+    global _PREFILL_DTYPE
+    key = str(name).strip().lower()
+    if key not in PREFILL_DTYPES:
+        raise SelfspecError(f"prefill dtype must be float32 or bfloat16, not {name!r}")
+    _PREFILL_DTYPE = PREFILL_DTYPES[key]
 
 
 def prefill_dtype() -> torch.dtype:
-    """The dtype the prompt's many-row products compute in: bfloat16 where torch multiplies it at least 1.5x
-    faster than float32 on this machine (CPUs with AVX512-BF16 or AMX: 4x here), else float32.  Only the
-    prefill takes this path, which every method shares, so speculative decoding stays lossless; the error it
-    adds (weights and activations rounded to 8 mantissa bits, about 0.3% of a product) is far below the 4-bit
-    quantisation's.  ``SELFSPEC_PREFILL_DTYPE=float32`` (or ``bfloat16``) overrides the measurement."""
-    global _PREFILL_DTYPE
+    """The dtype the prompt's many-row products compute in: float32 (default: the quantised model's outputs
+    equal the dequantised model's within float rounding) or, on request (``--prefill-dtype bfloat16``,
+    ``load(prefill_dtype=...)`` or ``SELFSPEC_PREFILL_DTYPE``), bfloat16: 4x faster products on CPUs with
+    AVX512-BF16 or AMX, weights and activations rounded to 8 mantissa bits (greedy outputs then part from the
+    fp32 model's after some dozens of tokens, README).  Only the prefill takes this path, which every method
+    shares, so speculative decoding stays lossless either way."""
     if _PREFILL_DTYPE is None:
-        forced = os.environ.get(PREFILL_DTYPE_ENV, "").strip().lower()
-        if forced in ("float32", "fp32", "bfloat16", "bf16"):
-            _PREFILL_DTYPE = torch.float32 if forced in ("float32", "fp32") else torch.bfloat16
-        elif forced:
-            raise SelfspecError(f"{PREFILL_DTYPE_ENV} must be float32 or bfloat16, not {forced!r}")
-        else:
-            _PREFILL_DTYPE = _measured_prefill_dtype()
+        set_prefill_dtype(os.environ.get(PREFILL_DTYPE_ENV, "").strip() or "float32")
+    assert _PREFILL_DTYPE is not None
     return _PREFILL_DTYPE
 
 
-def _measured_prefill_dtype() -> torch.dtype:
+def bfloat16_speedup() -> float:
+    """How much faster torch multiplies a prefill-sized product in bfloat16 than in float32 here (measured)."""
     import time
 
     a, b = torch.randn(256, 512), torch.randn(1024, 512)
@@ -111,7 +118,7 @@ def _measured_prefill_dtype() -> torch.dtype:
         for _ in range(5):
             torch.mm(x, w.T)
         best[dtype] = time.perf_counter() - t0
-    return torch.bfloat16 if best[torch.bfloat16] * 1.5 <= best[torch.float32] else torch.float32
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def bulk_active() -> bool:

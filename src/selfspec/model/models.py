@@ -176,14 +176,23 @@ class Model:
 
 
 def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float32", kernels: str = "auto",
-         quantize: str = "auto") -> Model:
+         quantize: str = "auto", prefill_dtype: str | None = None) -> Model:
     """Load a built-in model name, a local HF directory, a local ``.gguf`` file or a hub id.
 
     ``kernels="auto"`` computes the linear products with the kernels measured fastest on this machine
     (once per machine and model, cached; ``selfspec kernels`` shows the report); ``"torch"`` keeps torch's.
     ``quantize``: ``"auto"`` keeps a GGUF's weights in their quantised types (CPU, fp32 activations) and
     loads other models in ``dtype``; ``"none"`` dequantises a GGUF to ``dtype``; ``"int8"``/``"int4"``
-    quantise the linear layers (weight-only, groups of 32) of any model."""
+    quantise the linear layers (weight-only, groups of 32) of any model.  ``prefill_dtype`` (process-wide;
+    quantised weights only): ``"float32"`` (default) or ``"bfloat16"``, see
+    :func:`selfspec.core.quant.prefill_dtype`."""
+    if prefill_dtype is not None:
+        from ..core.quant import set_prefill_dtype
+
+        try:
+            set_prefill_dtype(prefill_dtype)
+        except SelfspecError as exc:
+            raise InvalidInputError(str(exc)) from None
     torch_dtype = _parse_dtype(dtype)
     dev = _parse_device(device)
     if quantize not in QUANTIZE_MODES:
