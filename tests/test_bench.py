@@ -237,7 +237,7 @@ def test_a_failing_method_is_recorded_and_the_run_goes_on(model, monkeypatch):
 
 @pytest.fixture
 def cli_on_tiny(model, monkeypatch, tmp_path):
-    monkeypatch.setattr(bench_cli, "_load_model", lambda args: model)
+    monkeypatch.setattr(bench_cli, "load_model", lambda args: model)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"id": p.id, "prompt": p.prompt}) + "\n" for p in PROMPTS[:2]))
     return data

@@ -60,7 +60,7 @@ def test_asd_table5(model, tmp_path):
         assert f"| {variant} |" in report
         assert _finite(data["data"][variant]["speedup"]) and data["data"][variant]["prompts"] == 2
         assert data["data"][variant]["lossless"] is True
-    assert [r[1] for r in rep.ours.rows] == ["cs", "cs+r2", "r1+r2", "admg"]
+    assert [r[1] for r in rep.ours.rows] == ["cs", "cs+r2", "r1+r2", "admg", "auto"]
 
 
 def test_swift_table8(model, tmp_path):
@@ -129,7 +129,7 @@ def _main(argv):
 
 
 def test_cli_end_to_end(model, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(reproduce_cli, "_load_model", lambda args: model)
+    monkeypatch.setattr(reproduce_cli, "load_model", lambda args: model)
     monkeypatch.setattr(common, "load_prompts", lambda *a, **kw: PROSE[:1])
     out = tmp_path / "t5"
     code = _main(["reproduce", "asd-table5", "--limit", "1", "--max-new-tokens", "6", "--warmup", "0",
@@ -151,14 +151,14 @@ def test_cli_end_to_end(model, monkeypatch, tmp_path, capsys):
     ],
 )
 def test_cli_bad_input_is_one_line(argv, message, capsys, monkeypatch):
-    monkeypatch.setattr(reproduce_cli, "_load_model", lambda args: pytest.fail("the model must not load"))
+    monkeypatch.setattr(reproduce_cli, "load_model", lambda args: pytest.fail("the model must not load"))
     assert _main(["reproduce", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
 
 
 def test_cli_bad_adapter_is_one_line(model, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(reproduce_cli, "_load_model", lambda args: model)
+    monkeypatch.setattr(reproduce_cli, "load_model", lambda args: model)
     assert _main(["reproduce", "s3d-figure5", "--adapter", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "is not an S3D adapter directory" in err and "Traceback" not in err
