@@ -114,3 +114,31 @@ def test_builtin_models_run_fused_and_agree_with_the_module_path(name, request):
         engine.fused_enabled = True
     assert torch.equal(out[True].argmax(-1), out[False].argmax(-1))
     assert (out[True] - out[False]).abs().max().item() <= 1e-3 * out[False].abs().max().item()
+
+
+def test_the_portable_c_path_computes_the_same_model(tmp_path):
+    """CPUs without AVX-512 build the plain-C path of both files: same logits within rounding, rows still exact."""
+    import ctypes
+    import subprocess
+
+    from selfspec.core import fused
+    from selfspec.core.quant import CFLAGS, SOURCES
+
+    lib_path = tmp_path / "portable.so"
+    subprocess.run(["gcc", *CFLAGS, "-mno-avx512f", "-o", str(lib_path), *map(str, SOURCES), "-lm"], check=True)
+    model = quantised_tiny("qwen3")  # q/k norms: every norm path of the C code
+    engine = model.engine
+    specs, _ = engine.adapter.fused_layers()
+    native_stack = engine._fused
+    new = torch.tensor([7, 8, 9, 10])
+    try:
+        engine._fused = fused.FusedStack(specs, lib=ctypes.CDLL(str(lib_path)))
+        _, cache = prefilled(model, 30, fused=True)
+        portable = engine.forward(cache, new, 30)
+        steps = [engine.forward(cache, new[i : i + 1], 30 + i)[0] for i in range(len(new))]
+        assert all(torch.equal(steps[i], portable[i]) for i in range(len(new)))
+    finally:
+        engine._fused = native_stack
+    _, cache = prefilled(model, 30, fused=True)
+    ref = engine.forward(cache, new, 30)
+    assert (portable - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

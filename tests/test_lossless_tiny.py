@@ -87,7 +87,7 @@ def test_stops_at_eos():
 
 
 def test_session_carries_draft_threshold_across_prompts(tiny_llama):
-    session = selfspec.Session(tiny_llama, "asd")
+    session = selfspec.Session(tiny_llama, "asd", preset="paper")  # D&V's exit drafting every round
     gamma0 = session.draft_policy.length.gamma
     session.generate(PROMPT, max_new_tokens=30)
     gamma1 = session.draft_policy.length.gamma

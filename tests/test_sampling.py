@@ -198,7 +198,7 @@ SETTINGS = {
     "t0.7-topp0.8": SamplingParams(0.7, top_p=0.8, scheme="rejection"),
 }
 METHODS = {
-    "asd": ("asd", {"draft_dtype": "same"}),
+    "asd": ("asd", {"draft_dtype": "same", "preset": "paper"}),
     "selfsd-adaptive": ("static", {"skip_set": {"attention": [1, 3], "mlp": [2, 4]}, "draft_dtype": "same"}),
     "chain-3": ("static", {"skip_set": {"attention": [1, 3], "mlp": [2, 4]}, "draft_length": 3,
                            "draft_dtype": "same"}),  # fmt: skip
@@ -349,7 +349,7 @@ def test_broken_variants_are_caught(small_vocab, monkeypatch, broken, name):
 # default, fixes the exact output whatever the schedule: tests/test_coupled_sampling.py.)
 DETERMINISTIC_SCHEDULES = [
     ("vanilla", {}),
-    ("asd", {"draft_dtype": "same"}),
+    ("asd", {"draft_dtype": "same", "preset": "paper"}),
     ("swift", {"schedule": "paper", "epsilon": 0.3, "budget": 1000.0, "context_window": 8, "draft_dtype": "same"}),
     ("swift", {"context_window": 8, "sampling_scheme": "coupled"}),
 ]

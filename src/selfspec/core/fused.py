@@ -95,9 +95,9 @@ def unsupported_reason(layer: FusedLayer) -> str | None:
 class FusedStack:
     """Runs a model's decoder layers natively (see the module docstring)."""
 
-    def __init__(self, layers: list[FusedLayer]) -> None:
+    def __init__(self, layers: list[FusedLayer], *, lib: ctypes.CDLL | None = None) -> None:
         self.layers = layers
-        self._lib = native()
+        self._lib = lib if lib is not None else native()  # another build (tests: the portable C path)
         # the tensors the C structs point to must live as long as this object: contiguous fp32 norm weights
         self._keep: list[torch.Tensor] = []
         structs = [self._struct(layer) for layer in layers]
