@@ -159,6 +159,7 @@ class SwiftPolicy:
         self._precision_name = "same"
         self._drafter = None  # the method's Drafter: its draft precision is the one to score candidates in
         self._last_round_end: float | None = None
+        self._pass_seconds: float | None = None  # a scoring pass's measured duration (running mean)
 
     # -- persistence ---------------------------------------------------------------------------
     def bind(self, model, drafter=None) -> None:
@@ -240,9 +241,11 @@ class SwiftPolicy:
             state.decode_seconds += now - self._last_round_end
         W = self.config.context_window
         window_ready = len(ctx.generated) >= W + 1 and ctx.cache.capacity - ctx.cache.length >= W
-        # every piece of work (rescoring the best set on a new prompt's window, a step) within the time budget
+        # every piece of work (rescoring the best set on a new prompt's window, a step) within the time budget,
+        # the pass about to run included: a short one-off generation never pays for a search it cannot use
         optimising = self.config.max_steps > 0
-        if optimising and window_ready and state.optimise_seconds <= self.config.budget * state.decode_seconds:
+        spent = state.optimise_seconds + self._pass_estimate()
+        if optimising and window_ready and spent <= self.config.budget * state.decode_seconds:
             prompt_key = (ctx.prompt_len, *ctx.generated[: W + 1])
             if prompt_key != self._window_prompt:
                 self._window_prompt = prompt_key
@@ -301,8 +304,23 @@ class SwiftPolicy:
         state = self.state
         state.done, state.stop_reason, state.matchness_at_stop = True, reason, state.best_matchness
 
-    @torch.inference_mode()
+    def _pass_estimate(self) -> float:
+        """Seconds of one scoring pass: as measured, else the cost profile's full pass over the window."""
+        if self._pass_seconds is not None:
+            return self._pass_seconds
+        if self._profile is not None:
+            return self._profile.forward(self.config.context_window) / 1000.0
+        return 0.0
+
     def matchness(self, ctx, skip: SkipSet) -> float:
+        t0 = time.perf_counter()
+        m = self._matchness(ctx, skip)
+        took = time.perf_counter() - t0
+        self._pass_seconds = took if self._pass_seconds is None else 0.5 * (self._pass_seconds + took)
+        return m
+
+    @torch.inference_mode()
+    def _matchness(self, ctx, skip: SkipSet) -> float:
         """Share of the window's positions where the draft's argmax is the real next token (SWIFT eq. 4)."""
         W = self.config.context_window
         engine = ctx.model.engine
