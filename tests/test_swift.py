@@ -222,3 +222,18 @@ def test_cheap_precision_starts_from_the_full_draft(tiny_llama):
         assert policy.propose(None, tiny_llama.num_layers) == expected
         # the reason for the different start: float16 drafts run in another precision than the fp32 model
         assert (drafter.torch_dtype(tiny_llama) is not None) == (dtype == "float16"), dtype
+
+
+def test_the_budget_counts_the_scoring_pass_about_to_run(tiny_llama):
+    """A generation too short to earn a scoring pass within the budget never runs one (the demo's one-off prompt);
+    a session long enough does, within the budget."""
+    session = selfspec.Session(tiny_llama, "swift", **{**FAST, "budget": 0.05})
+    policy = session.skip_policy
+    session.generate(STREAM[0], max_new_tokens=40)
+    policy._pass_seconds = 3600.0  # one pass would cost an hour: more than 5% of any decoding here
+    steps = policy.state.steps
+    session.generate(STREAM[1], max_new_tokens=40)
+    assert policy.state.steps == steps and policy.state.optimise_seconds < 1.0
+    policy._pass_seconds = 0.0  # free: the budget admits passes again
+    session.generate(STREAM[2], max_new_tokens=40)
+    assert policy.state.steps > steps

@@ -42,6 +42,7 @@ class _Layer(ctypes.Structure):
                                                      "act"))]  # fmt: skip
 
 
+MAX_CACHED_SKIP_SETS = 256
 IO_FIELDS = 5  # per layer: mask, cos, sin, key cache, value cache (pointers, the C struct layer_io)
 
 
@@ -131,6 +132,8 @@ class FusedStack:
     def _flags(self, skip: SkipSet) -> np.ndarray:
         flags = self._skip_flags.get(skip)
         if flags is None:
+            if len(self._skip_flags) >= MAX_CACHED_SKIP_SETS:  # SWIFT's search tries many sets: stay bounded
+                self._skip_flags.clear()
             flags = np.zeros(2 * len(self.layers), dtype=np.uint8)
             flags[0::2][list(skip.attention)] = 1
             flags[1::2][list(skip.mlp)] = 1
