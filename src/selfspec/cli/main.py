@@ -402,7 +402,7 @@ def _engine_paths(model) -> dict[str, str]:
     """Which code runs a decoding pass and which dtype the prompt's products use (quantised weights)."""
     engine = model.engine
     layers = "fused native stack (one C call per pass)" if engine.fused else f"torch modules ({engine.fused_reason})"
-    prefill = "float32"
+    prefill = str(model.adapter.dtype).replace("torch.", "")  # unquantised models prefill in their own dtype
     if model.quantization != "none":
         from ..core.quant import prefill_dtype
 
