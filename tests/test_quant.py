@@ -258,3 +258,66 @@ def test_bfloat16_prefill_stays_within_rounding_of_float32(prefill_dtype_reset):
     assert not torch.equal(ref, got)  # the bf16 path did run
     assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.95
+
+
+needs_split_products = pytest.mark.skipif(
+    not __import__("selfspec.core.quant", fromlist=["x"]).split_products_available(),
+    reason="the prompt's split-bf16 products need a CPU with AVX512-BF16",
+)
+
+
+@needs_split_products
+def test_activations_split_exactly_into_three_bfloat16_pieces():
+    """What makes the bf16 prompt kernel as exact as fp32: x == hi + mid + lo for every fp32 value in range."""
+    from selfspec.core import quant
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 64, generator=gen) * torch.logspace(-30, 30, 64)  # magnitudes 1e-30 .. 1e30, both signs
+    x[0, :4] = torch.tensor([0.0, -0.0, 1.0 + 2**-23, -(2.0 - 2**-22)])  # every mantissa bit used
+    pieces = torch.empty(3, 3 * 64, dtype=torch.int16)
+    sums = torch.empty(3, 2)
+    quant.native().selfspec_prefill_split(3, 64, 32, x.data_ptr(), pieces.data_ptr(), sums.data_ptr())
+    hi, mid, lo = pieces.view(3, 32, 3, 2).view(torch.bfloat16).float().unbind(2)
+    assert torch.equal(hi.reshape(3, 64) + mid.reshape(3, 64) + lo.reshape(3, 64), x)
+    assert torch.allclose(sums, x.view(3, 2, 32).sum(-1), rtol=1e-5)
+
+
+@needs_split_products
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "Q5_1"])
+@pytest.mark.parametrize("rows", [PREFILL_ROWS, 130])
+def test_prompt_products_are_as_accurate_as_fp32_on_decoded_tiles(kind, rows, monkeypatch):
+    """Prefill-sized products: the split-bf16 kernel (every storage form: q4 with minimums, q8 in groups of 16
+    and 32, with and without minimums; a short last row tile) against fp64, and against torch's fp32 product on
+    decoded tiles, which it replaces."""
+    from selfspec.core import quant
+
+    qw = from_gguf(kind, random_blocks(kind, 96, 768, seed=rows), 96, 768)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(9)) * torch.rand(rows, 1) * 4
+    ref = x.double() @ qw.dequantize().double().T
+    with quant.bulk_rows():
+        split = qw.matmul(x).double()
+        monkeypatch.setenv(quant.SPLIT_PRODUCTS_ENV, "0")
+        tiles = qw.matmul(x).double()
+    assert not torch.equal(split, tiles)  # two different kernels did run
+    scale = float(ref.abs().max())
+    err_split, err_tiles = float((split - ref).abs().max()), float((tiles - ref).abs().max())
+    assert err_split <= 2e-6 * scale, (err_split / scale, err_tiles / scale)
+    assert err_split <= 3 * err_tiles + 1e-7 * scale
+
+
+@needs_split_products
+def test_prefill_with_split_products_keeps_the_real_models_logits(smollm2, monkeypatch):
+    """The default model's prompt pass through the split-bf16 kernel against the same pass on fp32 tiles."""
+    from selfspec.core import quant
+
+    ids = torch.tensor(smollm2.encode("The quick brown fox jumps over the lazy dog. " * 12))
+    assert len(ids) >= PREFILL_ROWS
+    logits = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(quant.SPLIT_PRODUCTS_ENV, flag)
+        cache = smollm2.engine.new_cache(len(ids) + 8)
+        with quant.bulk_rows():
+            logits[flag] = smollm2.engine.forward(cache, ids, 0, prefill=True)
+    got, ref = logits["1"], logits["0"]
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -54,9 +54,11 @@ from ..io import cache_dir
 from . import kernels
 
 SOURCE = Path(__file__).with_name("quant_kernels.c")
-SOURCES = (SOURCE, Path(__file__).with_name("fused_decoder.c"))  # one library: the fused layers call the products
+SOURCES = (SOURCE, Path(__file__).with_name("fused_decoder.c"),  # one library: the fused layers call the products
+           Path(__file__).with_name("prefill_gemm.c"))  # fmt: skip
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 PREFILL_ROWS = 65  # within bulk_rows(), calls with at least this many rows decode weight tiles for torch's BLAS
+SPLIT_PRODUCTS_ENV = "SELFSPEC_SPLIT_PRODUCTS"  # "0": prompt products on decoded fp32 tiles (comparisons, tests)
 TILE_ELEMENTS = 1 << 21  # fp32 elements per decoded tile (8 MB)
 
 
@@ -119,6 +121,17 @@ def bfloat16_speedup() -> float:
             torch.mm(x, w.T)
         best[dtype] = time.perf_counter() - t0
     return best[torch.float32] / best[torch.bfloat16]
+
+
+def split_products_available() -> bool:
+    """Whether prompt products here run ``prefill_gemm.c`` (fp32 accuracy from bf16 dot products of exact
+    pieces; CPUs with AVX512-BF16) rather than torch's fp32 GEMM on decoded weight tiles."""
+    if os.environ.get(SPLIT_PRODUCTS_ENV, "1").strip() == "0":
+        return False
+    try:
+        return bool(native().selfspec_prefill_available())
+    except NativeUnavailable:
+        return False
 
 
 def bulk_active() -> bool:
@@ -200,6 +213,12 @@ def native() -> ctypes.CDLL:
             lib.selfspec_rows_q8.argtypes = [n, p, n, n, p, p, p, p]
             for f in (lib.selfspec_linear_q4, lib.selfspec_linear_q8, lib.selfspec_rows_q4, lib.selfspec_rows_q8):
                 f.restype = None
+            lib.selfspec_prefill_available.restype = ctypes.c_int
+            if lib.selfspec_prefill_available():
+                lib.selfspec_prefill_split.argtypes = [n, n, n, p, p, p]
+                lib.selfspec_prefill_split.restype = None
+                lib.selfspec_prefill_gemm.argtypes = [n, n, n, n, ctypes.c_int, p, p, p, p, p, p]
+                lib.selfspec_prefill_gemm.restype = ctypes.c_int
             _LIB = lib
     return _LIB
 
@@ -258,6 +277,8 @@ class QuantWeight:
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         dtype = prefill_dtype()
+        if dtype == torch.float32 and self.out_features % 32 == 0 and split_products_available():
+            return self._split_product(x)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         step = max(64, TILE_ELEMENTS // self.in_features)
         xs = x.to(dtype)
@@ -268,6 +289,20 @@ class QuantWeight:
                 torch.mm(xs, tile.T, out=y[:, n0 : n0 + len(idx)])
             else:
                 y[:, n0 : n0 + len(idx)] = torch.mm(xs, tile.T)
+        return y
+
+    def _split_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The prompt's product at fp32 accuracy from bf16 dot products of exact pieces (``prefill_gemm.c``)."""
+        lib, rows = native(), x.shape[0]
+        pieces = torch.empty(rows, 3 * self.in_features, dtype=torch.int16)
+        sums = None if self.minv is None else torch.empty(rows, self.in_features // self.group)
+        lib.selfspec_prefill_split(rows, self.in_features, self.group, x.data_ptr(), pieces.data_ptr(), _ptr(sums))
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        status = lib.selfspec_prefill_gemm(rows, self.out_features, self.in_features, self.group, self.fmt == "q4",
+                                           pieces.data_ptr(), _ptr(sums), self.codes.data_ptr(),
+                                           self.scale.data_ptr(), _ptr(self.minv), y.data_ptr())  # fmt: skip
+        if status != 0:
+            raise MemoryError("no memory for the prefill kernel's weight blocks")
         return y
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
