@@ -62,7 +62,19 @@ static inline float v_sum2(vec a, vec b) {
 }
 #endif
 
-/* Weights 16*chunk .. 16*chunk+15 of one row, decoded. */
+/* The 32 weights of one group of one row, decoded (w0: elements 0..15, w1: 16..31). */
+#if defined(__AVX512F__)
+/* The 16 possible values scale * q + min (q = 0..15) computed once, then looked up by code with a permute:
+ * 8 instructions per group instead of 12 (what bounds a one-row q4 product), the very same fma results. */
+static inline void decode_q4(const uint8_t *codes, const float *scale, const float *minv, long group, vec *w0,
+                             vec *w1) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(scale[group]), iota, _mm512_set1_ps(minv[group]));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + group * 16)));
+    *w0 = _mm512_permutexvar_ps(b, table);  /* vpermps reads the low 4 bits of each index: the low nibble */
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
+#else
 static inline void decode_q4(const uint8_t *codes, const float *scale, const float *minv, long group, vec *w0,
                              vec *w1) {
     vec lo, hi;
@@ -71,6 +83,7 @@ static inline void decode_q4(const uint8_t *codes, const float *scale, const flo
     *w0 = v_fma(s, lo, m);
     *w1 = v_fma(s, hi, m);
 }
+#endif
 
 static inline vec decode_q8(const int8_t *codes, const float *scale, const float *minv, int group_shift,
                             long chunk) {
