@@ -21,10 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-void selfspec_linear_q4(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
-                        const float *minv, float *y);
-void selfspec_linear_q8(long T, long N, long K, long G, const float *x, const int8_t *codes,
-                        const float *scale, const float *minv, float *y);
+void selfspec_linear_q4_ws(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
+                           const float *minv, const float *bias, float *y);
+void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x, const int8_t *codes,
+                           const float *scale, const float *minv, const float *bias, float *y);
 
 #define LANES 16
 
@@ -45,14 +45,12 @@ typedef struct {
     long act; /* 0: SiLU, 1: tanh-approximated GELU */
 } layer_t;
 
+/* This thread's share of y = x @ W.T (+ bias), inside the stack's parallel region; no barrier. */
 static void matmul(const qmat *m, long T, const float *x, float *y) {
     if (m->bits == 4)
-        selfspec_linear_q4(T, m->N, m->K, x, (const uint8_t *)m->codes, m->scale, m->minv, y);
+        selfspec_linear_q4_ws(T, m->N, m->K, x, (const uint8_t *)m->codes, m->scale, m->minv, m->bias, y);
     else
-        selfspec_linear_q8(T, m->N, m->K, m->G, x, (const int8_t *)m->codes, m->scale, m->minv, y);
-    if (m->bias)
-        for (long t = 0; t < T; t++)
-            for (long n = 0; n < m->N; n++) y[t * m->N + n] = y[t * m->N + n] + m->bias[n];
+        selfspec_linear_q8_ws(T, m->N, m->K, m->G, x, (const int8_t *)m->codes, m->scale, m->minv, m->bias, y);
 }
 
 /* Sums over LANES partial sums (element i of a vector in lane i % LANES), the lanes then added pairwise in
@@ -217,14 +215,20 @@ typedef struct {
     float *k, *v;           /* this layer's cache [n_kv, capacity, head_dim] */
 } layer_io;
 
+/* The blocks below run inside one parallel region (every thread calls them): products and per-row work are
+ * shared out with work-sharing loops, each followed by the barrier its readers need.  list, p: this thread's
+ * scratch for attention (start + T entries). */
 static void attention_block(const layer_t *L, const layer_io *io, long T, long start, long cap, float *h,
-                            float *x, float *q, float *k, float *v, float *a, float *o) {
+                            float *x, float *q, float *k, float *v, float *a, float *o, long *list, float *p) {
     const long H = L->hidden, nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
+#pragma omp for schedule(static)
     for (long t = 0; t < T; t++) rmsnorm(h + t * H, L->attn_in_norm, off, eps, H, x + t * H);
     matmul(&L->q, T, x, q);
     matmul(&L->k, T, x, k);
     matmul(&L->v, T, x, v);
+#pragma omp barrier
+#pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
         for (long hh = 0; hh < nh; hh++) {
             float *qh = q + (t * nh + hh) * hd;
@@ -240,22 +244,17 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
         }
     }
     const long nkeys = start + T;
-#pragma omp parallel
-    {
-        long *list = malloc(nkeys * sizeof(long));
-        float *p = malloc(nkeys * sizeof(float));
 #pragma omp for schedule(static)
-        for (long th = 0; th < T * nh; th++) {
-            const long t = th / nh, hh = th % nh, g = hh / groups;
-            const uint8_t *allow = io->mask ? io->mask + t * nkeys : NULL;
-            const long visible = io->mask ? nkeys : start + t + 1;
-            attend_row(q + (t * nh + hh) * hd, io->k + g * cap * hd, io->v + g * cap * hd, hd, visible, allow,
-                       (float)L->scaling, list, p, a + (t * nh + hh) * hd);
-        }
-        free(list);
-        free(p);
+    for (long th = 0; th < T * nh; th++) {
+        const long t = th / nh, hh = th % nh, g = hh / groups;
+        const uint8_t *allow = io->mask ? io->mask + t * nkeys : NULL;
+        const long visible = io->mask ? nkeys : start + t + 1;
+        attend_row(q + (t * nh + hh) * hd, io->k + g * cap * hd, io->v + g * cap * hd, hd, visible, allow,
+                   (float)L->scaling, list, p, a + (t * nh + hh) * hd);
     }
     matmul(&L->o, T, a, o);
+#pragma omp barrier
+#pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
         float *ot = o + t * H;
         if (L->attn_out_norm) rmsnorm(ot, L->attn_out_norm, off, eps, H, ot);
@@ -266,11 +265,16 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
 static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf, float *ubuf, float *o) {
     const long H = L->hidden, I = L->inter;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
+#pragma omp for schedule(static)
     for (long t = 0; t < T; t++) rmsnorm(h + t * H, L->mlp_in_norm, off, eps, H, x + t * H);
     matmul(&L->gate, T, x, gbuf);
     matmul(&L->up, T, x, ubuf);
-    activation(L->act, gbuf, ubuf, T * I);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) activation(L->act, gbuf + t * I, ubuf + t * I, I);
     matmul(&L->down, T, gbuf, o);
+#pragma omp barrier
+#pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
         float *ot = o + t * H;
         if (L->mlp_out_norm) rmsnorm(ot, L->mlp_out_norm, off, eps, H, ot);
@@ -294,11 +298,24 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
     if (!buf) return -1;
     float *x = buf, *q = x + T * width, *k = q + T * width, *v = k + T * width, *a = v + T * width;
     float *o = a + T * width, *g = o + T * width, *u = g + T * inter;
-    for (long i = 0; i < n; i++) {
-        const layer_t *L = layers + i;
-        if (!skip[2 * i]) attention_block(L, io + i, T, start, cap, h, x, q, k, v, a, o);
-        if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o);
+    int failed = 0;
+#pragma omp parallel
+    {
+        long *list = malloc((start + T) * sizeof(long));
+        float *p = malloc((start + T) * sizeof(float));
+        if (!list || !p) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        for (long i = 0; i < n && !failed; i++) {  /* every thread reads the same `failed` after the barrier */
+            const layer_t *L = layers + i;
+            if (!skip[2 * i]) attention_block(L, io + i, T, start, cap, h, x, q, k, v, a, o, list, p);
+            if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o);
+        }
+        free(list);
+        free(p);
     }
     free(buf);
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -142,26 +142,44 @@ static inline __attribute__((always_inline)) void row_q8(int NB, long K, const f
         default: break;                                                                 \
     }
 
-/* y [T, N] = x [T, K] @ W.T for W [N, K] in q4; K a multiple of 32. */
-void selfspec_linear_q4(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
-                        const float *minv, float *y) {
+/* y [T, N] = x [T, K] @ W.T (+ bias) for W [N, K] in q4; K a multiple of 32.  The _ws forms share their output
+ * rows among the threads of an enclosing parallel region (every thread must call them; no barrier at the end:
+ * the caller places one); bias may be NULL and is added to each output row after its product. */
+void selfspec_linear_q4_ws(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
+                           const float *minv, const float *bias, float *y) {
     const long groups = K / 32;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
     for (long n = 0; n < N; n++) {
         ROW_BLOCKS(row_q4, codes + n * groups * 16, scale + n * groups, minv + n * groups)
+        if (bias)
+            for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
     }
 }
 
-/* y [T, N] = x [T, K] @ W.T for W [N, K] in q8 with groups of G (16 or 32); K a multiple of 32; minv may be
- * NULL. */
-void selfspec_linear_q8(long T, long N, long K, long G, const float *x, const int8_t *codes,
-                        const float *scale, const float *minv, float *y) {
+void selfspec_linear_q4(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
+                        const float *minv, float *y) {
+#pragma omp parallel
+    selfspec_linear_q4_ws(T, N, K, x, codes, scale, minv, 0, y);
+}
+
+/* y [T, N] = x [T, K] @ W.T (+ bias) for W [N, K] in q8 with groups of G (16 or 32); K a multiple of 32; minv
+ * may be NULL. */
+void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x, const int8_t *codes,
+                           const float *scale, const float *minv, const float *bias, float *y) {
     const long groups = K / G;
     const int group_shift = (int)(G == 32);
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
     for (long n = 0; n < N; n++) {
         ROW_BLOCKS(row_q8, codes + n * K, scale + n * groups, minv ? minv + n * groups : 0, group_shift)
+        if (bias)
+            for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
     }
+}
+
+void selfspec_linear_q8(long T, long N, long K, long G, const float *x, const int8_t *codes,
+                        const float *scale, const float *minv, float *y) {
+#pragma omp parallel
+    selfspec_linear_q8_ws(T, N, K, G, x, codes, scale, minv, 0, y);
 }
 
 /* out [R, K] = the rows idx[0..R) of W, decoded (embedding lookups, prefill tiles, tests). */
