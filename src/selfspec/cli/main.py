@@ -376,7 +376,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         if model.quantization != "none":
             from ..core.quant import measure_products
 
-            extra = {"quantization": model.quantization, "quantized_products": measure_products(model.hf)}
+            extra = {"quantization": model.quantization, "quantized_products": measure_products(model.hf),
+                     **_quantized_bound(model)}
         print(json.dumps({**report.to_dict(), "bound_ms": report.bound_ms, "step_ms": steps,
                           "extra_bytes": model.adapter.kernel_memory(), **_engine_paths(model), **extra}))  # fmt: skip
         return 0
@@ -385,8 +386,12 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         from ..core.kernel_plan import read_bandwidth_gbs
         from ..core.quant import format_products, measure_products, quantized_bytes
 
+        bandwidth = read_bandwidth_gbs()
         print(f"\nweights kept quantised ({model.quantization}): {quantized_bytes(model.hf) / 1e6:.0f} MB")
-        print(format_products(measure_products(model.hf), read_bandwidth_gbs()))
+        print(format_products(measure_products(model.hf), bandwidth))
+        bound = _quantized_bound(model, bandwidth)["quantized_bound_ms"]
+        print(f"weight-read bound of one decoding step (every quantised weight read once at {bandwidth:.1f} GB/s): "
+              f"{bound:.2f} ms; measured one-token step {steps[1]:.2f} ms ({steps[1] / bound:.2f}x the bound)")
     paths = _engine_paths(model)
     print(f"decoder layers: {paths['decoder_layers']}; prompt prefill products: {paths['prefill_dtype']}")
     if model.quantization != "none":
@@ -398,15 +403,27 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantized_bound(model, bandwidth_gbs: float | None = None) -> dict[str, float]:
+    """The time to read every quantised weight once (a one-token step's floor) at the measured bandwidth."""
+    from ..core.kernel_plan import read_bandwidth_gbs
+    from ..core.quant import quantized_bytes
+
+    bandwidth_gbs = bandwidth_gbs or read_bandwidth_gbs()
+    nbytes = quantized_bytes(model.hf)
+    return {"quantized_bytes": nbytes, "bandwidth_gbs": bandwidth_gbs, "quantized_bound_ms": nbytes / bandwidth_gbs / 1e6}
+
+
 def _engine_paths(model) -> dict[str, str]:
     """Which code runs a decoding pass and which dtype the prompt's products use (quantised weights)."""
     engine = model.engine
     layers = "fused native stack (one C call per pass)" if engine.fused else f"torch modules ({engine.fused_reason})"
     prefill = str(model.adapter.dtype).replace("torch.", "")  # unquantised models prefill in their own dtype
     if model.quantization != "none":
-        from ..core.quant import prefill_dtype
+        from ..core.quant import prefill_dtype, split_products_available
 
         prefill = str(prefill_dtype()).replace("torch.", "")
+        if prefill == "float32" and split_products_available():
+            prefill += " (bf16 dot products of exact 3-piece activation splits, prefill_gemm.c)"
     return {"decoder_layers": layers, "prefill_dtype": prefill}
 
 
