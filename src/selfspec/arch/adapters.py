@@ -216,11 +216,23 @@ class LlamaAdapter:
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.backbone.norm(h))
+        return self._softcap(self.lm_head(self.backbone.norm(h)))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def quantized_head(self):
+        """The LM head's weight when it is kept quantised without a bias (a :class:`QuantWeight`), else None."""
+        weight = getattr(self.lm_head, "qweight", None)
+        return weight if weight is not None and getattr(self.lm_head, "bias", None) is None else None
+
+    def draft_head(self, h: torch.Tensor, vocab) -> torch.Tensor:
+        """Logits ``[T, vocab.size]`` of the rows of a :class:`DraftVocabulary` only (drafts), for h ``[1, T, H]``."""
+        x = self.backbone.norm(h)[0]
+        return self._softcap(vocab.product(x))
 
 
 class Gemma3Adapter(LlamaAdapter):

@@ -400,6 +400,10 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         print(f"bfloat16 prefill products would be {bfloat16_speedup():.1f}x faster here (--prefill-dtype bfloat16)")
     print("full-model pass over T new tokens (ms): " + ", ".join(f"T={t} {ms:.1f}" for t, ms in steps.items()))
     print(f"prepared weight copies (packed / low precision) in use: {model.adapter.kernel_memory() / 1e6:.0f} MB")
+    vocab = model.engine.draft_vocab
+    if vocab is not None:
+        print(f"draft vocabulary: drafts score {vocab.size} of {vocab.vocab_size} head rows, growing with the tokens "
+              f"seen (copied rows: {vocab.nbytes / 1e6:.0f} MB; SELFSPEC_DRAFT_VOCAB=0 scores all)")
     return 0
 
 

@@ -86,6 +86,11 @@ def draft_adapters(adapters: dict | None) -> Iterator[None]:
         _DRAFT_ADAPTERS.reset(token)
 
 
+def active_draft_precision() -> torch.dtype | None:
+    """The dtype draft passes compute in now (None outside :func:`draft_precision`)."""
+    return _DRAFT_DTYPE.get()
+
+
 def active_draft_adapters() -> dict | None:
     """The low-rank draft adapters switched on now (None outside :func:`draft_adapters`)."""
     return _DRAFT_ADAPTERS.get()

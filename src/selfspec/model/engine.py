@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
-from ..core import fused, kernels, quant
+from ..core import draft_vocab, fused, kernels, quant
 from ..core.cache import KVCache
 from ..core.skipset import NO_SKIP, SkipSet
 
@@ -50,6 +50,11 @@ class Engine:
         self.fused_enabled = self._fused is not None  # tests switch it off to compare with the module path
         # which code computes a pass (the cost profile's cache key: another build of the native code costs anew)
         self.path_signature = quant.library_path().stem if self._fused is not None else "modules"
+        head = adapter.quantized_head()
+        self.draft_vocab = None  # drafts score a growing subset of the head's rows (core/draft_vocab.py)
+        if head is not None and draft_vocab.enabled() and head.out_features >= draft_vocab.MIN_VOCAB:
+            self.draft_vocab = draft_vocab.DraftVocabulary(head)
+            self.path_signature += "+draft-vocab"
 
     @property
     def fused(self) -> bool:
@@ -114,13 +119,17 @@ class Engine:
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
         adapter = self.adapter
+        draft = bool(skip.attention or skip.mlp) or kernels.active_draft_precision() is not None
+        draft = draft or kernels.active_draft_adapters() is not None
+        if self.draft_vocab is not None and not draft and input_embeds is None:
+            self.draft_vocab.add(input_ids)  # tokens the full model is fed: the prompt, verified tokens
         h = adapter.embed(input_ids.view(1, T)) if input_embeds is None else input_embeds.view(1, T, -1)
         ropes = adapter.rotary(h, positions.view(1, T))
         masks = self._masks(start, positions, tree_mask, start if visible is None else visible)
         collect = cosine_out is not None
         if self.fused and not collect and not quant.bulk_active() and kernels.active_draft_adapters() is None:
             h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes)
-            return self._head(h, last_only, argmax_only)
+            return self._head(h, last_only, argmax_only, draft)
         kv = cache.writer(start)
         attn_cos = [float("nan")] * self.num_layers
         mlp_cos = [float("nan")] * self.num_layers
@@ -137,12 +146,17 @@ class Engine:
                 h = h_new
         if collect:
             cosine_out.append(SublayerCosine(tuple(attn_cos), tuple(mlp_cos)))
-        return self._head(h, last_only, argmax_only)
+        return self._head(h, last_only, argmax_only, draft)
 
-    def _head(self, h: torch.Tensor, last_only: bool, argmax_only: bool) -> torch.Tensor:
+    def _head(self, h: torch.Tensor, last_only: bool, argmax_only: bool, draft: bool = False) -> torch.Tensor:
         adapter = self.adapter
         if last_only:
             h = h[:, -1:]
+        if draft and self.draft_vocab is not None:
+            sub = adapter.draft_head(h, self.draft_vocab)
+            if argmax_only:
+                return self.draft_vocab.token_ids(sub.argmax(-1))
+            return self.draft_vocab.scatter(sub)
         if argmax_only:  # the head a few rows at a time: never a [T, V] tensor (V = 262k for Gemma 3)
             rows = h.shape[1]
             return torch.cat([adapter.head(h[:, i : i + HEAD_ROWS])[0].argmax(-1) for i in range(0, rows, HEAD_ROWS)])

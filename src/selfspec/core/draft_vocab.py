@@ -1,0 +1,121 @@
+"""The draft's vocabulary: LM-head rows a draft pass scores, grown from the tokens the model has seen.
+
+A draft step of a small model with a large vocabulary is mostly its LM head: Gemma 3 270M's
+262k x 640 head is over half of a one-token step, so skipping half its layers saves little.
+A draft only proposes; the full model verifies every token with its full head, so a draft may
+score any subset of the vocabulary and stay lossless: a token outside the subset cannot be
+proposed (that draft is rejected, as any wrong draft is) and costs nothing else.
+
+:class:`DraftVocabulary` keeps a growing copy of the head's quantised rows for a subset of
+token ids: the ``base`` lowest ids (byte-level BPE vocabularies, like SmolLM2's, number their
+frequent tokens first: its ids below 16k cover 93% of the tokens it generated on Spec-Bench),
+then every token the full model is fed (the prompt, and each verified token as it is
+committed), since text reuses its tokens (Gemma 3, whose ids are not frequency-ordered: ids
+below 16k cover 62% of its generated tokens, with the tokens seen before 93%).  Draft passes
+compute logits for those rows only; the rest are -inf.  Only quantised heads take this path
+(see ``Engine``); ``SELFSPEC_DRAFT_VOCAB=0`` switches it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .quant import QuantWeight, native
+
+DRAFT_VOCAB_ENV = "SELFSPEC_DRAFT_VOCAB"
+BASE_ROWS = 16384  # the lowest ids every draft scores
+MIN_VOCAB = 2 * BASE_ROWS  # smaller vocabularies keep the full head (the subset would save little)
+MAX_SHARE = 0.5  # the subset stops growing at this share of the vocabulary
+
+
+def enabled() -> bool:
+    return os.environ.get(DRAFT_VOCAB_ENV, "1").strip() != "0"
+
+
+class DraftVocabulary:
+    """Rows of a quantised LM head ``[V, hidden]`` for a growing subset of token ids."""
+
+    def __init__(self, head: QuantWeight, *, base: int = BASE_ROWS) -> None:
+        self.head = head
+        self.vocab_size = head.out_features
+        self.limit = max(base, int(self.vocab_size * MAX_SHARE))  # rows at most
+        self.member = torch.zeros(self.vocab_size, dtype=torch.bool)
+        self._known = bytearray(self.vocab_size)  # the same membership, cheap to test from Python per token
+        self.size = 0
+        self._allocate(min(self.limit, base + base // 2))
+        self.add(torch.arange(min(base, self.vocab_size)))
+
+    def _allocate(self, rows: int) -> None:
+        """Room for ``rows`` rows, keeping the ones copied so far (the subset grows by doubling)."""
+        head, n = self.head, self.size
+
+        def grown(old: torch.Tensor | None, like: torch.Tensor | None, dtype=None) -> torch.Tensor | None:
+            if like is None:
+                return None
+            new = torch.empty((rows, *like.shape[1:]), dtype=dtype or like.dtype)
+            if old is not None and n:
+                new[:n] = old[:n]
+            return new
+
+        self.ids = grown(getattr(self, "ids", None), torch.empty(1, dtype=torch.int64))
+        self._codes = grown(getattr(self, "_codes", None), head.codes)
+        self._scale = grown(getattr(self, "_scale", None), head.scale)
+        self._minv = grown(getattr(self, "_minv", None), head.minv)
+        self.capacity = rows
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the copied rows (the allocated capacity)."""
+        return sum(t.numel() * t.element_size() for t in (self._codes, self._scale, self._minv) if t is not None)
+
+    def add(self, token_ids: torch.Tensor) -> None:
+        """Score these ids in later drafts too (ids already in, or out of range, are ignored)."""
+        ids = token_ids.reshape(-1).to(torch.int64).cpu()
+        if len(ids) <= 16:  # a decoding step's few tokens: mostly known already, checked without tensor ops
+            known, v = self._known, self.vocab_size
+            if all(0 <= t < v and known[t] for t in ids.tolist()):
+                return
+        ids = ids[(ids >= 0) & (ids < self.vocab_size)]
+        ids = ids[~self.member[ids]]
+        if len(ids) == 0:
+            return
+        ids = torch.unique(ids)[: self.limit - self.size]
+        if self.size + len(ids) > self.capacity:
+            self._allocate(min(self.limit, max(2 * self.capacity, self.size + len(ids))))
+        lo, hi = self.size, self.size + len(ids)
+        self._codes[lo:hi] = self.head.codes[ids]
+        self._scale[lo:hi] = self.head.scale[ids]
+        if self._minv is not None:
+            self._minv[lo:hi] = self.head.minv[ids]
+        self.ids[lo:hi] = ids
+        self.member[ids] = True
+        for t in ids.tolist():
+            self._known[t] = 1
+        self.size = hi
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden] @ rows.T``: the subset's logits ``[T, size]`` (fp32; row-exact kernels)."""
+        x = x.to(torch.float32).contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, self.size, dtype=torch.float32)
+        lib, head = native(), self.head
+        minv = None if self._minv is None else self._minv.data_ptr()
+        if head.fmt == "q4":
+            lib.selfspec_linear_q4(rows, self.size, head.in_features, x.data_ptr(), self._codes.data_ptr(),
+                                   self._scale.data_ptr(), minv, y.data_ptr())  # fmt: skip
+        else:
+            lib.selfspec_linear_q8(rows, self.size, head.in_features, head.group, x.data_ptr(),
+                                   self._codes.data_ptr(), self._scale.data_ptr(), minv, y.data_ptr())  # fmt: skip
+        return y
+
+    def scatter(self, sub: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[T, V]`` from the subset's: -inf outside the subset."""
+        out = torch.full((sub.shape[0], self.vocab_size), float("-inf"), dtype=sub.dtype)
+        out[:, self.ids[: self.size]] = sub
+        return out
+
+    def token_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """Token ids of subset positions (argmax over the subset -> vocabulary ids)."""
+        return self.ids[positions]

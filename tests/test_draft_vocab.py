@@ -1,0 +1,71 @@
+"""The draft's vocabulary (core/draft_vocab.py): draft passes score a growing subset of the LM head's rows, exactly
+as the full head scores them; verification keeps the full head; every method stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.core.draft_vocab import DraftVocabulary
+from selfspec.core.quant import quantize_weight
+from selfspec.core.skipset import NO_SKIP, SkipSet
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_subset_rows_score_as_the_full_head_does(bits):
+    head = quantize_weight(torch.randn(3000, 64, generator=torch.Generator().manual_seed(0)), bits)
+    vocab = DraftVocabulary(head, base=100)
+    assert vocab.size == 100 and torch.equal(vocab.ids[:100], torch.arange(100))
+    vocab.add(torch.tensor([2500, 7, 2500, 1999, -1, 3000]))  # repeats, known, out-of-range ids are ignored
+    assert vocab.size == 102 and set(vocab.ids[100:102].tolist()) == {1999, 2500}
+    vocab.add(torch.arange(400, 700))  # past the first allocation: grows, keeping the rows copied before
+    assert vocab.size == 402 and vocab.capacity >= 402
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    full = head.matmul(x)
+    sub = vocab.product(x)
+    assert torch.equal(sub, full[:, vocab.ids[: vocab.size]])  # the same kernel: bit-identical rows
+    logits = vocab.scatter(sub)
+    inside = vocab.member
+    assert torch.equal(logits[:, inside], full[:, inside]) and torch.all(logits[:, ~inside] == float("-inf"))
+    assert torch.equal(vocab.token_ids(sub.argmax(-1)), torch.where(inside, full, float("-inf")).argmax(-1))
+
+
+def test_the_subset_stops_growing_at_half_the_vocabulary():
+    head = quantize_weight(torch.randn(1000, 32), 8)
+    vocab = DraftVocabulary(head, base=100)
+    vocab.add(torch.arange(1000))
+    assert vocab.size == 500 and int(vocab.member.sum()) == 500
+
+
+def test_draft_passes_score_the_subset_and_verification_the_full_head(smollm2):
+    engine = smollm2.engine
+    vocab = engine.draft_vocab
+    assert vocab is not None and vocab.vocab_size == smollm2.adapter.vocab_size
+    ids = torch.tensor(smollm2.encode("Tokens of the prompt join the draft's vocabulary: Zyzzyva quokka."))
+    cache = engine.new_cache(len(ids) + 8)
+    engine.forward(cache, ids, 0, prefill=True)
+    assert bool(vocab.member[ids].all())  # the prompt's tokens, whatever their ids
+    tok = ids[-1:]
+    full = engine.forward(cache, tok, len(ids))
+    half = SkipSet(attention=frozenset(range(1, engine.num_layers, 2)), mlp=frozenset())
+    draft = engine.forward(cache, tok, len(ids), skip=half)
+    assert torch.all(draft[:, ~vocab.member] == float("-inf"))
+    assert torch.all(torch.isfinite(draft[:, vocab.member])) and torch.all(torch.isfinite(full))
+    # with nothing skipped but a lower precision, a draft is the full model over the subset's rows
+    same = engine.forward(cache, tok, len(ids), skip=NO_SKIP, precision=torch.float16)
+    assert torch.equal(same[:, vocab.member], full[:, vocab.member])
+    argmax = engine.forward(cache, tok, len(ids), skip=half, argmax_only=True)
+    assert torch.equal(argmax, draft.argmax(-1))
+
+
+def test_methods_stay_lossless_with_the_draft_vocabulary(gemma3):
+    """Gemma 3 (262k tokens, ids not frequency-ordered): drafts that cannot name a token are rejected, nothing
+    else; the outputs equal vanilla's."""
+    prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    ref = selfspec.generate(gemma3, prompt, method="vanilla", max_new_tokens=40)
+    skips = SkipSet(attention=frozenset(range(4, 14, 2)), mlp=frozenset(range(5, 14, 3)))
+    for method, options in (("swift", {}), ("asd", {"preset": "paper"}), ("static", {"skip_set": skips})):
+        out = selfspec.generate(gemma3, prompt, method=method, max_new_tokens=40, **options)
+        assert out.token_ids == ref.token_ids, method
+    assert gemma3.engine.draft_vocab.size > 16384  # the prompt's and the answers' tokens joined
