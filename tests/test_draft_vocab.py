@@ -69,3 +69,28 @@ def test_methods_stay_lossless_with_the_draft_vocabulary(gemma3):
         out = selfspec.generate(gemma3, prompt, method=method, max_new_tokens=40, **options)
         assert out.token_ids == ref.token_ids, method
     assert gemma3.engine.draft_vocab.size > 16384  # the prompt's and the answers' tokens joined
+
+
+def test_minus_infinity_outside_the_subset_is_a_usable_draft_but_nan_is_not():
+    from selfspec.drafters.layerskip import broken_draft
+
+    row = torch.full((10,), float("-inf"))
+    row[3] = 1.5
+    assert not broken_draft(row) and not broken_draft(torch.stack([row, row]))
+    assert broken_draft(torch.full((10,), float("-inf")))  # nothing finite: nothing to propose
+    for bad in (float("nan"), float("inf")):
+        broken = row.clone()
+        broken[5] = bad
+        assert broken_draft(broken)
+
+
+def test_layer_skip_drafts_are_proposed_and_accepted_with_the_draft_vocabulary(smollm2):
+    """A skip set that keeps most of the model drafts tokens the full model keeps (a draft whose logits are -inf
+    outside the subset must not be mistaken for a broken one)."""
+    assert smollm2.engine.draft_vocab is not None
+    skips = SkipSet(attention=frozenset({10, 20}), mlp=frozenset({15}))
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    ref = selfspec.generate(smollm2, prompt, method="vanilla", max_new_tokens=32)
+    out = selfspec.generate(smollm2, prompt, method="static", skip_set=skips, max_new_tokens=32)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.drafted > 0 and out.stats.accepted > 0

@@ -227,6 +227,14 @@ class CostAwareTreeWidths(TreePolicy):
 # Long (~70 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
 # probability); kept in one function so that the sampling-correctness argument can be read in one place.
 @torch.inference_mode()
+def broken_draft(logits: torch.Tensor) -> bool:
+    """Whether a draft pass's logits are unusable: a NaN or +inf anywhere, or a row without a finite value.
+    (-inf is a legitimate logit: tokens outside the draft's vocabulary, core/draft_vocab.py.)"""
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        return True
+    return not bool(torch.isfinite(logits).any(dim=-1).all())
+
+
 def draft_round(
     engine,
     cache,
@@ -266,7 +274,7 @@ def draft_round(
         parent = len(tokens) - 1
         ids = torch.tensor([tokens[parent]], dtype=torch.long, device=device)
         logits = engine.forward(cache, ids, start + parent, skip=skip, last_only=True, precision=precision)
-        if not bool(torch.isfinite(logits[-1]).all()):
+        if broken_draft(logits[-1]):
             if not chain_probs:
                 return None
             break  # keep the chain drafted so far

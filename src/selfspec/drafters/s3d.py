@@ -37,7 +37,7 @@ from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree
 from ..errors import InvalidInputError
 from ..io import atomic_write, atomic_write_text, check_version, load_tensors, read_json
-from .layerskip import Drafter, FixedDraftLength
+from .layerskip import Drafter, FixedDraftLength, broken_draft
 
 ADAPTER_VERSION = 1
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -188,7 +188,7 @@ class S3DDrafter(Drafter):
         ids = torch.full((g,), root, dtype=torch.long, device=model.engine.device)  # (only their count matters)
         logits = model.engine.forward(cache, ids, start, skip=skip, input_embeds=embeds, adapters=self._mapping,
                                       precision=self.torch_dtype(model))  # fmt: skip
-        if not bool(torch.isfinite(logits).all()):
+        if broken_draft(logits):
             return None  # a broken draft pass: this round decodes plainly
         tokens, qs, probs = [root], [], []
         first_t = sampler.position(len(history))
