@@ -414,7 +414,8 @@ def _quantized_bound(model, bandwidth_gbs: float | None = None) -> dict[str, flo
 
     bandwidth_gbs = bandwidth_gbs or read_bandwidth_gbs()
     nbytes = quantized_bytes(model.hf)
-    return {"quantized_bytes": nbytes, "bandwidth_gbs": bandwidth_gbs, "quantized_bound_ms": nbytes / bandwidth_gbs / 1e6}
+    bound_ms = nbytes / bandwidth_gbs / 1e6
+    return {"quantized_bytes": nbytes, "bandwidth_gbs": bandwidth_gbs, "quantized_bound_ms": bound_ms}
 
 
 def _engine_paths(model) -> dict[str, str]:
