@@ -215,6 +215,17 @@ typedef struct {
     float *k, *v;           /* this layer's cache [n_kv, capacity, head_dim] */
 } layer_io;
 
+/* h += o row by row, o first normed in place when the layer has an output norm (Gemma's sandwich norms);
+ * a work-sharing loop with its closing barrier. */
+static void add_residual(const float *out_norm, float off, float eps, long T, long H, float *o, float *h) {
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+        float *ot = o + t * H;
+        if (out_norm) rmsnorm(ot, out_norm, off, eps, H, ot);
+        for (long i = 0; i < H; i++) h[t * H + i] = h[t * H + i] + ot[i];
+    }
+}
+
 /* The blocks below run inside one parallel region (every thread calls them): products and per-row work are
  * shared out with work-sharing loops, each followed by the barrier its readers need.  list, p: this thread's
  * scratch for attention (start + T entries). */
@@ -254,12 +265,7 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
     }
     matmul(&L->o, T, a, o);
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) {
-        float *ot = o + t * H;
-        if (L->attn_out_norm) rmsnorm(ot, L->attn_out_norm, off, eps, H, ot);
-        for (long i = 0; i < H; i++) h[t * H + i] = h[t * H + i] + ot[i];
-    }
+    add_residual(L->attn_out_norm, off, eps, T, H, o, h);
 }
 
 static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf, float *ubuf, float *o) {
@@ -274,12 +280,7 @@ static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf,
     for (long t = 0; t < T; t++) activation(L->act, gbuf + t * I, ubuf + t * I, I);
     matmul(&L->down, T, gbuf, o);
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) {
-        float *ot = o + t * H;
-        if (L->mlp_out_norm) rmsnorm(ot, L->mlp_out_norm, off, eps, H, ot);
-        for (long i = 0; i < H; i++) h[t * H + i] = h[t * H + i] + ot[i];
-    }
+    add_residual(L->mlp_out_norm, off, eps, T, H, o, h);
 }
 
 /* Runs layers 0..n-1 over h [T, hidden] in place.  skip: [2n] flags (attention of layer i at 2i, MLP at
