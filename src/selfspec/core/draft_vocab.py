@@ -43,7 +43,8 @@ class DraftVocabulary:
         self.limit = max(base, int(self.vocab_size * MAX_SHARE))  # rows at most
         self.member = torch.zeros(self.vocab_size, dtype=torch.bool)
         self._known = bytearray(self.vocab_size)  # the same membership, cheap to test from Python per token
-        self.size = 0
+        self.size = self.capacity = 0
+        self.ids = self._codes = self._scale = self._minv = None
         self._allocate(min(self.limit, base + base // 2))
         self.add(torch.arange(min(base, self.vocab_size)))
 
@@ -51,18 +52,18 @@ class DraftVocabulary:
         """Room for ``rows`` rows, keeping the ones copied so far (the subset grows by doubling)."""
         head, n = self.head, self.size
 
-        def grown(old: torch.Tensor | None, like: torch.Tensor | None, dtype=None) -> torch.Tensor | None:
+        def grown(old: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
             if like is None:
                 return None
-            new = torch.empty((rows, *like.shape[1:]), dtype=dtype or like.dtype)
+            new = torch.empty((rows, *like.shape[1:]), dtype=like.dtype)
             if old is not None and n:
                 new[:n] = old[:n]
             return new
 
-        self.ids = grown(getattr(self, "ids", None), torch.empty(1, dtype=torch.int64))
-        self._codes = grown(getattr(self, "_codes", None), head.codes)
-        self._scale = grown(getattr(self, "_scale", None), head.scale)
-        self._minv = grown(getattr(self, "_minv", None), head.minv)
+        self.ids = grown(self.ids, torch.empty(1, dtype=torch.int64))
+        self._codes = grown(self._codes, head.codes)
+        self._scale = grown(self._scale, head.scale)
+        self._minv = grown(self._minv, head.minv)
         self.capacity = rows
 
     @property

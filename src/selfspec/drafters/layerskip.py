@@ -224,9 +224,6 @@ class CostAwareTreeWidths(TreePolicy):
 # -- the draft loop ----------------------------------------------------------------------------
 
 
-# Long (~70 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
-# probability); kept in one function so that the sampling-correctness argument can be read in one place.
-@torch.inference_mode()
 def broken_draft(logits: torch.Tensor) -> bool:
     """Whether a draft pass's logits are unusable: a NaN or +inf anywhere, or a row without a finite value.
     (-inf is a legitimate logit: tokens outside the draft's vocabulary, core/draft_vocab.py.)"""
@@ -235,6 +232,9 @@ def broken_draft(logits: torch.Tensor) -> bool:
     return not bool(torch.isfinite(logits).any(dim=-1).all())
 
 
+# Long (~70 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
+# probability); kept in one function so that the sampling-correctness argument can be read in one place.
+@torch.inference_mode()
 def draft_round(
     engine,
     cache,
