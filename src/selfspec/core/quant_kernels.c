@@ -142,17 +142,32 @@ static inline __attribute__((always_inline)) void row_q8(int NB, long K, const f
         default: break;                                                                 \
     }
 
+/* Every output row reads all rows of x it is given: while they fit in the L1 data cache (X_L1_BYTES), one pass
+ * over the weights serves all T rows; beyond, the rows go in passes of as many as fit (a product of 16 rows of
+ * x [16, 1536] read them from L2 at half the speed).  The static schedule gives each thread the same output
+ * rows in every pass, so its weights stay in its own L2. */
+#define X_L1_BYTES (48 * 1024)
+static inline long x_rows_per_pass(long T, long K) {
+    const long fit = X_L1_BYTES / (K * (long)sizeof(float));
+    return T <= fit ? T : (fit < 1 ? 1 : fit);
+}
+
 /* y [T, N] = x [T, K] @ W.T (+ bias) for W [N, K] in q4; K a multiple of 32.  The _ws forms share their output
  * rows among the threads of an enclosing parallel region (every thread must call them; no barrier at the end:
  * the caller places one); bias may be NULL and is added to each output row after its product. */
-void selfspec_linear_q4_ws(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
-                           const float *minv, const float *bias, float *y) {
-    const long groups = K / 32;
+void selfspec_linear_q4_ws(long T, long N, long K, const float *x0, const uint8_t *codes, const float *scale,
+                           const float *minv, const float *bias, float *y0) {
+    const long groups = K / 32, all = T, step = x_rows_per_pass(T, K);
+    for (long t0 = 0; t0 < all; t0 += step) {
+        const long T = all - t0 < step ? all - t0 : step;
+        const float *x = x0 + t0 * K;
+        float *y = y0 + t0 * N;
 #pragma omp for schedule(static) nowait
-    for (long n = 0; n < N; n++) {
-        ROW_BLOCKS(row_q4, codes + n * groups * 16, scale + n * groups, minv + n * groups)
-        if (bias)
-            for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
+        for (long n = 0; n < N; n++) {
+            ROW_BLOCKS(row_q4, codes + n * groups * 16, scale + n * groups, minv + n * groups)
+            if (bias)
+                for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
+        }
     }
 }
 
@@ -164,15 +179,21 @@ void selfspec_linear_q4(long T, long N, long K, const float *x, const uint8_t *c
 
 /* y [T, N] = x [T, K] @ W.T (+ bias) for W [N, K] in q8 with groups of G (16 or 32); K a multiple of 32; minv
  * may be NULL. */
-void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x, const int8_t *codes,
-                           const float *scale, const float *minv, const float *bias, float *y) {
+void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x0, const int8_t *codes,
+                           const float *scale, const float *minv, const float *bias, float *y0) {
     const long groups = K / G;
     const int group_shift = (int)(G == 32);
+    const long all = T, step = x_rows_per_pass(T, K);
+    for (long t0 = 0; t0 < all; t0 += step) {
+        const long T = all - t0 < step ? all - t0 : step;
+        const float *x = x0 + t0 * K;
+        float *y = y0 + t0 * N;
 #pragma omp for schedule(static) nowait
-    for (long n = 0; n < N; n++) {
-        ROW_BLOCKS(row_q8, codes + n * K, scale + n * groups, minv ? minv + n * groups : 0, group_shift)
-        if (bias)
-            for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
+        for (long n = 0; n < N; n++) {
+            ROW_BLOCKS(row_q8, codes + n * K, scale + n * groups, minv ? minv + n * groups : 0, group_shift)
+            if (bias)
+                for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
+        }
     }
 }
 
