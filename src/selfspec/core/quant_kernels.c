@@ -142,6 +142,19 @@ static inline __attribute__((always_inline)) void row_q8(int NB, long K, const f
         default: break;                                                                 \
     }
 
+/* The weights of output row n + PREFETCH_ROWS asked for while row n is computed: each product is small (a few
+ * hundred KB per thread) and the hardware prefetcher would first need several misses of it to start.  Addresses
+ * past the end are only hints (prefetches never fault). */
+#define PREFETCH_ROWS 6
+static inline void prefetch_row(const void *codes, long code_bytes, const float *scale, const float *minv,
+                                long groups) {
+    for (long b = 0; b < code_bytes; b += 64) __builtin_prefetch((const char *)codes + b, 0, 0);
+    for (long b = 0; b < groups * (long)sizeof(float); b += 64) {
+        __builtin_prefetch((const char *)scale + b, 0, 0);
+        if (minv) __builtin_prefetch((const char *)minv + b, 0, 0);
+    }
+}
+
 /* Every output row reads all rows of x it is given: while they fit in the L1 data cache (X_L1_BYTES), one pass
  * over the weights serves all T rows; beyond, the rows go in passes of as many as fit (a product of 16 rows of
  * x [16, 1536] read them from L2 at half the speed).  The static schedule gives each thread the same output
@@ -164,6 +177,8 @@ void selfspec_linear_q4_ws(long T, long N, long K, const float *x0, const uint8_
         float *y = y0 + t0 * N;
 #pragma omp for schedule(static) nowait
         for (long n = 0; n < N; n++) {
+            prefetch_row(codes + (n + PREFETCH_ROWS) * groups * 16, groups * 16, scale + (n + PREFETCH_ROWS) * groups,
+                         minv + (n + PREFETCH_ROWS) * groups, groups);
             ROW_BLOCKS(row_q4, codes + n * groups * 16, scale + n * groups, minv + n * groups)
             if (bias)
                 for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
@@ -190,6 +205,8 @@ void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x0, cons
         float *y = y0 + t0 * N;
 #pragma omp for schedule(static) nowait
         for (long n = 0; n < N; n++) {
+            prefetch_row(codes + (n + PREFETCH_ROWS) * K, K, scale + (n + PREFETCH_ROWS) * groups,
+                         minv ? minv + (n + PREFETCH_ROWS) * groups : 0, groups);
             ROW_BLOCKS(row_q8, codes + n * K, scale + n * groups, minv ? minv + n * groups : 0, group_shift)
             if (bias)
                 for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
