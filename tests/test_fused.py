@@ -76,6 +76,23 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len)
     assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
 
 
+def test_the_fused_stack_measures_asds_sublayer_cosines_like_the_modules(qtiny):
+    """ASD's prefill statistics come from the fused pass too (its prompt then shares vanilla's arithmetic):
+    the same cosine per computed sublayer as the module path, NaN for skipped ones."""
+    ids = torch.arange(30) % 50 + 5
+    skip = SkipSet(attention=frozenset({1}), mlp=frozenset({0}))
+    got = {}
+    for fused in (False, True):
+        qtiny.engine.fused_enabled = fused
+        out = []
+        qtiny.engine.forward(qtiny.engine.new_cache(64), ids, 0, skip=skip, cosine_out=out, prefill=True)
+        got[fused] = out[0]
+    for part in ("attention", "mlp"):
+        ref, fused = torch.tensor(getattr(got[False], part)), torch.tensor(getattr(got[True], part))
+        assert torch.equal(ref.isnan(), fused.isnan()) and int(ref.isnan().sum()) == 1
+        assert torch.allclose(fused[~fused.isnan()], ref[~ref.isnan()], atol=1e-5)
+
+
 def test_quantised_tiny_models_decode_losslessly_on_the_fused_path(qtiny):
     prompt = "Hello there, how are you doing"
     base = selfspec.generate(qtiny, prompt, "vanilla", max_new_tokens=20)

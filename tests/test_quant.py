@@ -301,8 +301,9 @@ def test_prompt_products_are_as_accurate_as_fp32_on_decoded_tiles(kind, rows, mo
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(9)) * torch.rand(rows, 1) * 4
     ref = x.double() @ qw.dequantize().double().T
     with quant.bulk_rows():
+        monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, "split")
         split = qw.matmul(x).double()
-        monkeypatch.setenv(quant.SPLIT_PRODUCTS_ENV, "0")
+        monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, "tiles")
         tiles = qw.matmul(x).double()
     assert not torch.equal(split, tiles)  # two different kernels did run
     scale = float(ref.abs().max())
@@ -311,19 +312,45 @@ def test_prompt_products_are_as_accurate_as_fp32_on_decoded_tiles(kind, rows, mo
     assert err_split <= 3 * err_tiles + 1e-7 * scale
 
 
-@needs_split_products
-def test_prefill_with_split_products_keeps_the_real_models_logits(smollm2, monkeypatch):
-    """The default model's prompt pass through the split-bf16 kernel against the same pass on fp32 tiles."""
+@pytest.mark.parametrize("kernel", ["rows", pytest.param("split", marks=needs_split_products)])
+def test_prefill_kernels_keep_the_real_models_logits(smollm2, monkeypatch, kernel):
+    """The default model's prompt pass through each fp32 prompt kernel against the same pass on fp32 tiles."""
     from selfspec.core import quant
 
     ids = torch.tensor(smollm2.encode("The quick brown fox jumps over the lazy dog. " * 12))
     assert len(ids) >= PREFILL_ROWS
     logits = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv(quant.SPLIT_PRODUCTS_ENV, flag)
+    for name in (kernel, "tiles"):
+        monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, name)
         cache = smollm2.engine.new_cache(len(ids) + 8)
-        with quant.bulk_rows():
-            logits[flag] = smollm2.engine.forward(cache, ids, 0, prefill=True)
-    got, ref = logits["1"], logits["0"]
+        logits[name] = smollm2.engine.forward(cache, ids, 0, prefill=True)
+    got, ref = logits[kernel], logits["tiles"]
+    assert not torch.equal(got, ref)  # two different kernels did run
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_the_default_prompt_pass_computes_each_row_as_a_one_token_step(smollm2, monkeypatch):
+    """With the default (rows) prompt kernel the prompt's logits are bit for bit those of feeding it one token
+    at a time: one arithmetic for prefill, decoding and verification."""
+    from selfspec.core import quant
+
+    monkeypatch.delenv(quant.PREFILL_KERNEL_ENV, raising=False)
+    if quant.prefill_kernel() != "rows":
+        pytest.skip("the default prompt kernel here is not the decoding kernel (no AVX-512 build)")
+    ids = torch.tensor(smollm2.encode("The quick brown fox jumps over the lazy dog. " * 12))
+    assert len(ids) >= PREFILL_ROWS
+    engine = smollm2.engine
+    whole = engine.forward(engine.new_cache(len(ids)), ids, 0, prefill=True)
+    cache = engine.new_cache(len(ids))
+    steps = torch.cat([engine.forward(cache, ids[i : i + 1], i) for i in range(len(ids))])
+    assert torch.equal(whole, steps)
+
+
+def test_an_unknown_prefill_kernel_is_a_clear_error(monkeypatch):
+    from selfspec.core import quant
+    from selfspec.errors import SelfspecError
+
+    monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, "fastest")
+    with pytest.raises(SelfspecError, match="SELFSPEC_PREFILL_KERNEL must be one of rows, split, tiles"):
+        quant.prefill_kernel()

@@ -424,11 +424,15 @@ def _engine_paths(model) -> dict[str, str]:
     layers = "fused native stack (one C call per pass)" if engine.fused else f"torch modules ({engine.fused_reason})"
     prefill = str(model.adapter.dtype).replace("torch.", "")  # unquantised models prefill in their own dtype
     if model.quantization != "none":
-        from ..core.quant import prefill_dtype, split_products_available
+        from ..core.quant import prefill_dtype, prefill_kernel
 
         prefill = str(prefill_dtype()).replace("torch.", "")
-        if prefill == "float32" and split_products_available():
-            prefill += " (bf16 dot products of exact 3-piece activation splits, prefill_gemm.c)"
+        if prefill == "float32":
+            prefill += {
+                "rows": " (the decoding kernels: each prompt row computed as a one-token step computes it)",
+                "split": " (bf16 dot products of exact 3-piece activation splits, prefill_gemm.c)",
+                "tiles": " (torch's GEMM on decoded weight tiles)",
+            }[prefill_kernel()]
     return {"decoder_layers": layers, "prefill_dtype": prefill}
 
 

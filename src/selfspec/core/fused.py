@@ -110,9 +110,14 @@ class FusedStack:
         self._skip_flags: dict[SkipSet, np.ndarray] = {}
         fn = self._lib.selfspec_fused_layers
         fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                       ctypes.c_long, ctypes.c_long, ctypes.c_void_p]  # fmt: skip
+                       ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
         fn.restype = ctypes.c_int
         self._fn = fn
+
+    def _cosine_buffer(self, cosines: np.ndarray) -> int:
+        if cosines.dtype != np.float32 or cosines.shape != (2 * len(self.layers),) or not cosines.flags.c_contiguous:
+            raise ValueError(f"cosines must be a contiguous float32 array of {2 * len(self.layers)} values")
+        return cosines.ctypes.data
 
     def _norm(self, weight: torch.Tensor | None) -> int | None:
         if weight is None:
@@ -141,10 +146,12 @@ class FusedStack:
         return flags
 
     def run(self, h: torch.Tensor, *, cache: KVCache, start: int, skip: SkipSet, masks: dict,
-            ropes: dict) -> torch.Tensor:
+            ropes: dict, cosines: np.ndarray | None = None) -> torch.Tensor:
         """``h`` ``[1, T, hidden]`` through every layer (its new keys/values written at slots
         ``[start, start+T)``); ``masks`` by window: boolean ``[1, 1, T, start+T]`` or None (causal);
-        ``ropes`` by rotary key: (cos, sin), each ``[1, T, head_dim]``."""
+        ``ropes`` by rotary key: (cos, sin), each ``[1, T, head_dim]``.  ``cosines``: None, or float32
+        ``[2 * layers]`` that receives each computed sublayer's mean cosine similarity of its input and output
+        hidden states (attention of layer i at 2i, MLP at 2i+1; skipped sublayers keep their value)."""
         h = h.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # written in place
         T = h.shape[1]
         if start + T > cache.capacity:
@@ -158,7 +165,8 @@ class FusedStack:
         io[:, 2] = np.array([s.data_ptr() for _, s in tables], dtype=np.uint64)[self._rope_of]
         io[:, 3:] = cache.buffer_pointers([(layer.n_kv, layer.head_dim) for layer in self.layers], torch.float32)
         status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
-                          io.ctypes.data, T, start, cache.capacity, h.data_ptr())  # fmt: skip
+                          io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
+                          None if cosines is None else self._cosine_buffer(cosines))  # fmt: skip
         if status != 0:
             raise MemoryError("the fused decoder could not allocate its scratch memory")
         return h

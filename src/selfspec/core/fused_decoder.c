@@ -273,14 +273,44 @@ typedef struct {
     float *k, *v;           /* this layer's cache [n_kv, capacity, head_dim] */
 } layer_io;
 
+/* Where the cosine similarity of each sublayer's input and output goes (ASD's statistics of the prompt):
+ * row: scratch [T]; out: [2n], attention of layer i at 2i, MLP at 2i + 1, the mean over the T rows.  NULL
+ * row: not collected. */
+typedef struct {
+    float *row, *out;
+} cosines;
+
+/* cos(a, b) of one row as torch's cosine_similarity defines it (norms' product clamped below by 1e-8) */
+static float row_cosine(const float *a, const float *b, long n) {
+    const float ab = dot(a, b, n), aa = dot(a, a, n), bb = dot(b, b, n);
+    const float d = sqrtf(aa * bb);
+    return ab / (d > 1e-8f ? d : 1e-8f);
+}
+
 /* h += o row by row, o first normed in place when the layer has an output norm (Gemma's sandwich norms);
- * a work-sharing loop with its closing barrier. */
-static void add_residual(const float *out_norm, float off, float eps, long T, long H, float *o, float *h) {
+ * a work-sharing loop with its closing barrier.  With cos->row, the mean cosine of h before and after goes to
+ * *slot (one thread sums the rows in order after the loop's barrier; another barrier follows). */
+static void add_residual(const float *out_norm, float off, float eps, long T, long H, float *o, float *h,
+                         const cosines *cos, long slot) {
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
-        float *ot = o + t * H;
+        float *ot = o + t * H, *ht = h + t * H;
         if (out_norm) rmsnorm(ot, out_norm, off, eps, H, ot);
-        for (long i = 0; i < H; i++) h[t * H + i] = h[t * H + i] + ot[i];
+        if (cos->row) {  /* o becomes the new h: cosine of old h and new h */
+            for (long i = 0; i < H; i++) ot[i] = ht[i] + ot[i];
+            cos->row[t] = row_cosine(ht, ot, H);
+            memcpy(ht, ot, H * sizeof(float));
+        } else {
+            for (long i = 0; i < H; i++) ht[i] = ht[i] + ot[i];
+        }
+    }
+    if (cos->row) {
+#pragma omp single
+        {
+            double sum = 0.0;
+            for (long t = 0; t < T; t++) sum += cos->row[t];
+            cos->out[slot] = (float)(sum / (double)T);
+        }
     }
 }
 
@@ -288,7 +318,8 @@ static void add_residual(const float *out_norm, float off, float eps, long T, lo
  * shared out with work-sharing loops, each followed by the barrier its readers need.  list, p: this thread's
  * scratch for attention (start + T entries). */
 static void attention_block(const layer_t *L, const layer_io *io, long T, long start, long cap, float *h,
-                            float *x, float *q, float *k, float *v, float *a, float *o, long *list, float *p) {
+                            float *x, float *q, float *k, float *v, float *a, float *o, long *list, float *p,
+                            const cosines *cos, long slot) {
     const long H = L->hidden, nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
 #pragma omp for schedule(static)
@@ -323,10 +354,11 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
     }
     matmul(&L->o, T, a, o);
 #pragma omp barrier
-    add_residual(L->attn_out_norm, off, eps, T, H, o, h);
+    add_residual(L->attn_out_norm, off, eps, T, H, o, h, cos, slot);
 }
 
-static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf, float *ubuf, float *o) {
+static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf, float *ubuf, float *o,
+                      const cosines *cos, long slot) {
     const long H = L->hidden, I = L->inter;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
 #pragma omp for schedule(static)
@@ -338,14 +370,16 @@ static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf,
     for (long t = 0; t < T; t++) activation(L->act, gbuf + t * I, ubuf + t * I, I);
     matmul(&L->down, T, gbuf, o);
 #pragma omp barrier
-    add_residual(L->mlp_out_norm, off, eps, T, H, o, h);
+    add_residual(L->mlp_out_norm, off, eps, T, H, o, h, cos, slot);
 }
 
 /* Runs layers 0..n-1 over h [T, hidden] in place.  skip: [2n] flags (attention of layer i at 2i, MLP at
  * 2i+1); io: [n] per-layer mask, rotary table and cache buffers; new keys/values go to slots
- * [start, start + T) of caches with `cap` slots.  Returns 0, or -1 when scratch memory is unavailable. */
+ * [start, start + T) of caches with `cap` slots.  cosine_out: NULL, or [2n] that receives each computed
+ * sublayer's mean cosine of input and output (skipped ones are left as they are).  Returns 0, or -1 when
+ * scratch memory is unavailable. */
 int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
-                          long start, long cap, float *h) {
+                          long start, long cap, float *h, float *cosine_out) {
     long width = 0, inter = 0;
     for (long i = 0; i < n; i++) {
         const layer_t *L = layers + i;
@@ -353,8 +387,9 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
         width = w > width ? w : width;
         inter = L->inter > inter ? L->inter : inter;
     }
-    float *buf = malloc(sizeof(float) * T * (6 * width + 2 * inter));
+    float *buf = malloc(sizeof(float) * (T * (6 * width + 2 * inter) + (cosine_out ? T : 0)));
     if (!buf) return -1;
+    const cosines cos = {cosine_out ? buf + T * (6 * width + 2 * inter) : NULL, cosine_out};
     float *x = buf, *q = x + T * width, *k = q + T * width, *v = k + T * width, *a = v + T * width;
     float *o = a + T * width, *g = o + T * width, *u = g + T * inter;
     int failed = 0;
@@ -369,8 +404,8 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
 #pragma omp barrier
         for (long i = 0; i < n && !failed; i++) {  /* every thread reads the same `failed` after the barrier */
             const layer_t *L = layers + i;
-            if (!skip[2 * i]) attention_block(L, io + i, T, start, cap, h, x, q, k, v, a, o, list, p);
-            if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o);
+            if (!skip[2 * i]) attention_block(L, io + i, T, start, cap, h, x, q, k, v, a, o, list, p, &cos, 2 * i);
+            if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o, &cos, 2 * i + 1);
         }
         free(list);
         free(p);

@@ -165,6 +165,15 @@ static inline long x_rows_per_pass(long T, long K) {
     return T <= fit ? T : (fit < 1 ? 1 : fit);
 }
 
+/* 1 when these kernels are the AVX-512 build (fast enough to compute the prompt too), 0 for the portable loops */
+int selfspec_vector_kernels(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y [T, N] = x [T, K] @ W.T (+ bias) for W [N, K] in q4; K a multiple of 32.  The _ws forms share their output
  * rows among the threads of an enclosing parallel region (every thread must call them; no barrier at the end:
  * the caller places one); bias may be NULL and is added to each output row after its product. */

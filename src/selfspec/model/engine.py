@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -101,7 +102,7 @@ class Engine:
         ``prefill`` (the prompt, which every method passes alike) lets quantised products of many rows take a
         faster path whose rows are not bit-equal to one-token products (see :func:`selfspec.core.quant.bulk_rows`).
         """
-        if prefill:
+        if prefill and quant.prefill_has_own_kernel():
             with quant.bulk_rows():
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only,
@@ -127,8 +128,11 @@ class Engine:
         ropes = adapter.rotary(h, positions.view(1, T))
         masks = self._masks(start, positions, tree_mask, start if visible is None else visible)
         collect = cosine_out is not None
-        if self.fused and not collect and not quant.bulk_active() and kernels.active_draft_adapters() is None:
-            h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes)
+        if self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None:
+            cos = np.full(2 * self.num_layers, np.nan, dtype=np.float32) if collect else None
+            h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos)
+            if cos is not None:
+                cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
             return self._head(h, last_only, argmax_only, draft)
         kv = cache.writer(start)
         attn_cos = [float("nan")] * self.num_layers
