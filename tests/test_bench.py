@@ -134,6 +134,22 @@ def test_summary_definitions(run):
     assert summary.cosine is not None and len(summary.cosine["attention"]) == run.num_layers
 
 
+def test_a_draft_pass_costs_only_the_rounds_that_ran_passes(run):
+    """c is the drafting time of rounds with draft passes per pass: a hybrid's n-gram rounds (drafting time,
+    no passes) must not inflate it (they once made `auto` show c = 13)."""
+    import copy
+
+    summary = summarize(run)
+    a = summary.method("asd-wide")
+    assert a.c is not None and 0 < a.c < 5
+    hybrid = copy.deepcopy(run)
+    for r in hybrid.by_method("asd-wide"):  # add n-gram rounds: drafting time without any pass
+        r.stats["draft_time"] += 10.0
+    b = summarize(hybrid).method("asd-wide")
+    assert b.c == pytest.approx(a.c)
+    assert all(r.stats["draft_pass_time"] <= r.stats["draft_time"] for r in run.by_method("asd-wide"))
+
+
 def test_expected_speedup_eq6():
     assert expected_speedup(1.0, 0.5, 0.3) == pytest.approx(1.0)  # nothing gained: one token per forward
     assert expected_speedup(3.0, 1.0, 0.0) == pytest.approx(3.0)  # free drafts, all accepted: M

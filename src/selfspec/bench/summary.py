@@ -184,7 +184,9 @@ def summarize_method(
     drafted, accepted = int(_sum(ok, "drafted")), int(_sum(ok, "accepted"))
     M = _ratio(new_tokens, forwards)
     alpha = _ratio(accepted, drafted)
-    draft_cost = _per_forward(ok, "draft_time", _sum(ok, "draft_forwards"))
+    # a draft pass's cost: the drafting time of rounds that ran passes (n-gram rounds of a hybrid ran none)
+    pass_time = "draft_pass_time" if all(r.stats.get("draft_pass_time") is not None for r in ok) else "draft_time"
+    draft_cost = _per_forward(ok, pass_time, _sum(ok, "draft_forwards"))
     verify_cost = _per_forward(ok, "verify_time", _verify_forwards(ok))
     c = draft_cost / verify_cost if draft_cost is not None and verify_cost else None
     if drafted and c is None:

@@ -119,6 +119,7 @@ class _Tally:
     accepted: int = 0
     verified: int = 0
     draft_time: float = 0.0
+    draft_pass_time: float = 0.0  # draft_time of the rounds with draft passes (a hybrid's n-gram rounds have none)
     verify_time: float = 0.0
     optimise_time: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
@@ -291,7 +292,10 @@ class Decoder:
             return
         if outcome is not None and outcome.steps:
             tally.drafted += outcome.steps
-            tally.draft_forwards += outcome.passes if outcome.passes is not None else outcome.steps
+            passes = outcome.passes if outcome.passes is not None else outcome.steps
+            tally.draft_forwards += passes
+            if passes:
+                tally.draft_pass_time += t2 - t1
             tally.accepted += len(path) - 1
             tally.accept_lengths.append(len(path) - 1)
             if self.skip_policy is not None:
@@ -312,6 +316,7 @@ class Decoder:
             accepted=tally.accepted,
             prefill_time=prefill_time,
             draft_time=tally.draft_time,
+            draft_pass_time=tally.draft_pass_time,
             verify_time=tally.verify_time,
             total_time=total_time,
             stop_reason="eos" if out[-1] in eos else "length",

@@ -27,6 +27,7 @@ class GenerationStats:
     verified_tokens: int = 0  # tokens through verification passes (tree nodes included)
     draft_precision: str | None = None
     sources: dict[str, dict[str, Any]] | None = None  # per draft source (hybrid): rounds, drafted, accepted, ms
+    draft_pass_time: float | None = None  # drafting time of the rounds that ran draft passes (None: not recorded)
 
     @property
     def mean_generated_length(self) -> float:
