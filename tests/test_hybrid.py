@@ -52,7 +52,7 @@ def test_a_lookup_source_whose_drafts_are_rejected_fades_out():
 
 
 def test_the_measured_gain_of_layer_skip_rounds_decides_against_a_weak_lookup():
-    lookup = PromptLookupDrafter()
+    lookup = PromptLookupDrafter(max_ngram=3)  # short matches only: a modest expected gain
     lookup._profile = FlatProfile(0.02)
     drafted = DraftOutcome(DraftTree.chain(4, [1, 2, 3]), [0.9] * 3, {}, 3)
 

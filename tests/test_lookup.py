@@ -54,6 +54,25 @@ def test_the_index_follows_a_growing_history_and_restarts_on_another():
     assert propose(d, [8, 9, 8]).tree.tokens[1:] == (9,)  # a new prompt: indexed afresh
 
 
+def test_a_copied_passage_is_matched_at_the_longest_size_and_earns_its_own_acceptance():
+    """Sizes 1, 2, 3, 4, 6, 8, 12, 16: a passage being copied matches at 16 tokens, and what is learnt there
+    (accepted drafts) lengthens the drafts of later 16-token matches, not of 1-token ones."""
+    d = drafter(slope=0.1)
+    assert d.sizes == (1, 2, 3, 4, 6, 8, 12, 16)
+    passage = list(range(100, 140))
+    history = [7, 8] + passage + [5, 6] + passage[:20]
+    out = propose(d, history)
+    assert d._last_n == 16 and list(out.tree.tokens[1:]) == passage[20 : 20 + out.steps]
+    before16, before1 = d._length(16), d._length(1)
+    for _ in range(5):  # long drafts after 16-token matches, all accepted
+        d._last_n = 16
+        d.observe(out, list(range(out.steps + 1)), tokens=out.steps + 1, round_ms=1, draft_ms=0, verify_ms=1)
+    assert d.acceptance(16) > 0.9 and d._length(16) > before16
+    assert d._length(1) == before1
+    assert PromptLookupDrafter(max_ngram=5).sizes == (1, 2, 3, 4, 5)
+    assert PromptLookupDrafter(max_ngram=8, min_ngram=3).sizes == (3, 4, 6, 8)
+
+
 def test_draft_length_is_priced_by_acceptance_and_verify_cost():
     cheap, dear = drafter(slope=0.02), drafter(slope=0.6)
     assert cheap._length(3) > 3  # cheap verification: draft long

@@ -227,7 +227,7 @@ def _pld_drafter(opts: dict[str, Any]):
     from .drafters.lookup import PromptLookupDrafter
 
     fixed = opts.get("draft_length")
-    return PromptLookupDrafter(max_ngram=int(opts.get("max_ngram", 3)), min_ngram=int(opts.get("min_ngram", 1)),
+    return PromptLookupDrafter(max_ngram=int(opts.get("max_ngram", 16)), min_ngram=int(opts.get("min_ngram", 1)),
                                max_draft=int(opts.get("max_draft", 10)),
                                draft_length=None if fixed is None else int(fixed))  # fmt: skip
 
@@ -237,7 +237,7 @@ METHODS["pld"] = MethodSpec(
     "pld",
     "prompt lookup: the draft is what followed the last n tokens earlier in the prompt or output (no draft pass)",
     {
-        "max_ngram": "longest n-gram matched (default 3; tried first)",
+        "max_ngram": "longest n-gram matched (default 16; sizes 1, 2, 3, 4, 6, 8, 12, 16 up to it, longest first)",
         "min_ngram": "shortest n-gram matched (default 1)",
         "max_draft": "most tokens drafted per round (default 10); the length is priced with measured costs",
         "draft_length": "draft exactly this many tokens per match instead",

@@ -8,9 +8,11 @@ Saxena's prompt lookup decoding (2023; transformers' ``prompt_lookup_num_tokens`
   the drafter proposes the k that maximises expected tokens per unit of cost, and nothing
   at all where no k is expected to pay (a weak one-token match on a machine where a
   two-token verification costs 15% more than a step, say);
-* matches are looked up in an index of every n-gram (n = 1..``max_ngram``) of the
-  history, kept up to date as the history grows, so a round costs a few dictionary
-  lookups, not a scan of the history.
+* matches are looked up in an index of every n-gram of the history for a ladder of sizes
+  (1, 2, 3, 4, 6, 8, 12, 16 up to ``max_ngram``), kept up to date as the history grows,
+  so a round costs a few dictionary lookups, not a scan of the history.  The longest
+  matching size wins, and acceptance is learnt per size: a 16-token match (a passage being
+  copied) earns long drafts, a one-token match short ones or none.
 
 No model pass is made to draft, so the drafts cost nothing but verification slots: this
 pays where the output copies its input (summaries, code edits, answers quoting a
@@ -31,7 +33,8 @@ from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree
 from ..errors import InvalidInputError
 
-PRIOR = {1: 0.3, 2: 0.5, 3: 0.6}  # acceptance assumed per n-gram size before any is observed
+NGRAM_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # match lengths indexed (up to max_ngram), the longest tried first
+PRIOR = {1: 0.3, 2: 0.5, 3: 0.6, 4: 0.6, 6: 0.65, 8: 0.65, 12: 0.7, 16: 0.7}  # acceptance before any is observed
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens
 MIN_GAIN = 1.02  # draft only where the expected tokens per unit cost beat plain decoding by this much
 
@@ -41,21 +44,23 @@ class PromptLookupDrafter:
 
     needs_profile = True  # the draft length is priced with the measured verification costs
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 10,
+    def __init__(self, max_ngram: int = 16, min_ngram: int = 1, max_draft: int = 10,
                  draft_length: int | None = None) -> None:  # fmt: skip
         if not 1 <= min_ngram <= max_ngram:
             raise InvalidInputError(f"pld needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         if max_draft < 1 or (draft_length is not None and draft_length < 1):
             raise InvalidInputError("pld: max_draft and draft_length must be at least 1")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        ladder = {n for n in NGRAM_SIZES if n < max_ngram} | {max_ngram}
+        self.sizes = tuple(sorted(n for n in ladder if n >= min_ngram))  # the n-gram sizes indexed
         self.max_draft = draft_length or max_draft
         self.fixed = draft_length
         self.max_nodes = 1 + self.max_draft
         self._index: dict[tuple[int, ...], int] = {}
         self._history: list[int] = []
         self._profile = None
-        self._drafted = {n: 0.0 for n in range(1, max_ngram + 1)}
-        self._accepted = {n: 0.0 for n in range(1, max_ngram + 1)}
+        self._drafted = {n: 0.0 for n in self.sizes}
+        self._accepted = {n: 0.0 for n in self.sizes}
         self._last_n = 0
         self.last_gain = 0.0  # the expected tokens per vanilla step of the last proposal
 
@@ -72,7 +77,9 @@ class PromptLookupDrafter:
     def propose(self, history: Sequence[int], *, model, cache, skip, budget: int,
                 sampler: Sampler) -> DraftOutcome | None:  # fmt: skip
         self._update_index(history)
-        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
+        for n in reversed(self.sizes):
+            if n > len(history) - 1:
+                continue
             start = self._index.get(tuple(history[-n:]))
             if start is None:
                 continue
@@ -106,13 +113,13 @@ class PromptLookupDrafter:
             self._index, self._history, known = {}, [], 0
         self._history.extend(history[known:])
         for end in range(max(1, known), len(history)):  # continuation starts at `end`, which must exist
-            for n in range(1, self.max_ngram + 1):
+            for n in self.sizes:
                 if end - n >= 0:
                     self._index[tuple(history[end - n : end])] = end
 
     def acceptance(self, n: int) -> float:
         """Estimated chance that a token drafted after an n-gram match is accepted."""
-        prior = PRIOR.get(n, 0.6)
+        prior = PRIOR[max(k for k in PRIOR if k <= n)]  # a size off the ladder (max_ngram=5): the next below
         return (self._accepted[n] + PRIOR_WEIGHT * prior) / (self._drafted[n] + PRIOR_WEIGHT)
 
     def _gain(self, n: int, k: int) -> float:
