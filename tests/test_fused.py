@@ -43,7 +43,7 @@ def fused_back_on(request):
             request.getfixturevalue(name).engine.fused_enabled = True
 
 
-@pytest.mark.parametrize("prompt_len", [10, 40])  # 40: past Mistral's (24) and Gemma's (16) sliding windows
+@pytest.mark.parametrize("prompt_len", [10, 40, 80])  # past Mistral's (24) and Gemma's (16) windows; 80: prompt kernel
 def test_fused_stack_computes_the_modules_model(qtiny, prompt_len):
     assert qtiny.engine.fused, qtiny.engine.fused_reason
     new = torch.tensor([7, 8, 9, 10, 11])

@@ -272,6 +272,29 @@ needs_split_products = pytest.mark.skipif(
 )
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "Q5_1"])
+@pytest.mark.parametrize("rows,out", [(PREFILL_ROWS, 96), (137, 70)])  # 70 outputs: a short last panel
+def test_the_blocked_prompt_kernel_is_as_accurate_as_fp32(kind, rows, out, monkeypatch):
+    """prompt_gemm.c (panels of 32 decoded output rows, 8 rows of x at a time) against fp64, on every storage
+    form, with a panel that has fewer than 32 rows, and with a row count that is no multiple of 8."""
+    from selfspec.core import quant
+
+    if not quant.native().selfspec_prompt_gemm_available():
+        pytest.skip("the blocked prompt kernel needs the kernels' AVX-512 build")
+    qw = from_gguf(kind, random_blocks(kind, out, 768, seed=rows), out, 768)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(9)) * torch.rand(rows, 1) * 4
+    ref = x.double() @ qw.dequantize().double().T
+    monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, "gemm")
+    with quant.bulk_rows():
+        got = qw.matmul(x).double()
+    monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, "rows")
+    one_token_rows = qw.matmul(x).double()
+    assert not torch.equal(got, one_token_rows)  # the blocked kernel did run
+    scale = float(ref.abs().max())
+    assert float((got - ref).abs().max()) <= 3e-6 * scale
+    assert float((one_token_rows - ref).abs().max()) <= 3e-6 * scale
+
+
 @needs_split_products
 def test_activations_split_exactly_into_three_bfloat16_pieces():
     """What makes the bf16 prompt kernel as exact as fp32: x == hi + mid + lo for every fp32 value in range."""
@@ -312,7 +335,7 @@ def test_prompt_products_are_as_accurate_as_fp32_on_decoded_tiles(kind, rows, mo
     assert err_split <= 3 * err_tiles + 1e-7 * scale
 
 
-@pytest.mark.parametrize("kernel", ["rows", pytest.param("split", marks=needs_split_products)])
+@pytest.mark.parametrize("kernel", ["rows", "gemm", pytest.param("split", marks=needs_split_products)])
 def test_prefill_kernels_keep_the_real_models_logits(smollm2, monkeypatch, kernel):
     """The default model's prompt pass through each fp32 prompt kernel against the same pass on fp32 tiles."""
     from selfspec.core import quant
@@ -330,14 +353,14 @@ def test_prefill_kernels_keep_the_real_models_logits(smollm2, monkeypatch, kerne
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_the_default_prompt_pass_computes_each_row_as_a_one_token_step(smollm2, monkeypatch):
-    """With the default (rows) prompt kernel the prompt's logits are bit for bit those of feeding it one token
-    at a time: one arithmetic for prefill, decoding and verification."""
+def test_the_rows_prompt_kernel_computes_each_row_as_a_one_token_step(smollm2, monkeypatch):
+    """With the rows prompt kernel the prompt's logits are bit for bit those of feeding it one token at a time:
+    one arithmetic for prefill, decoding and verification."""
     from selfspec.core import quant
 
-    monkeypatch.delenv(quant.PREFILL_KERNEL_ENV, raising=False)
-    if quant.prefill_kernel() != "rows":
-        pytest.skip("the default prompt kernel here is not the decoding kernel (no AVX-512 build)")
+    if not quant.native().selfspec_vector_kernels():
+        pytest.skip("the rows prompt kernel needs the kernels' AVX-512 build")
+    monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, "rows")
     ids = torch.tensor(smollm2.encode("The quick brown fox jumps over the lazy dog. " * 12))
     assert len(ids) >= PREFILL_ROWS
     engine = smollm2.engine
@@ -352,5 +375,5 @@ def test_an_unknown_prefill_kernel_is_a_clear_error(monkeypatch):
     from selfspec.errors import SelfspecError
 
     monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, "fastest")
-    with pytest.raises(SelfspecError, match="SELFSPEC_PREFILL_KERNEL must be one of rows, split, tiles"):
+    with pytest.raises(SelfspecError, match="SELFSPEC_PREFILL_KERNEL must be one of rows, gemm, split, tiles"):
         quant.prefill_kernel()

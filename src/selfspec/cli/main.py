@@ -429,6 +429,7 @@ def _engine_paths(model) -> dict[str, str]:
         prefill = str(prefill_dtype()).replace("torch.", "")
         if prefill == "float32":
             prefill += {
+                "gemm": " (blocked products of decoded weight panels, prompt_gemm.c, in the fused stack)",
                 "rows": " (the decoding kernels: each prompt row computed as a one-token step computes it)",
                 "split": " (bf16 dot products of exact 3-piece activation splits, prefill_gemm.c)",
                 "tiles": " (torch's GEMM on decoded weight tiles)",

@@ -110,7 +110,7 @@ class FusedStack:
         self._skip_flags: dict[SkipSet, np.ndarray] = {}
         fn = self._lib.selfspec_fused_layers
         fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                       ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+                       ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -146,12 +146,14 @@ class FusedStack:
         return flags
 
     def run(self, h: torch.Tensor, *, cache: KVCache, start: int, skip: SkipSet, masks: dict,
-            ropes: dict, cosines: np.ndarray | None = None) -> torch.Tensor:
+            ropes: dict, cosines: np.ndarray | None = None, prompt: bool = False) -> torch.Tensor:
         """``h`` ``[1, T, hidden]`` through every layer (its new keys/values written at slots
         ``[start, start+T)``); ``masks`` by window: boolean ``[1, 1, T, start+T]`` or None (causal);
         ``ropes`` by rotary key: (cos, sin), each ``[1, T, head_dim]``.  ``cosines``: None, or float32
         ``[2 * layers]`` that receives each computed sublayer's mean cosine similarity of its input and output
-        hidden states (attention of layer i at 2i, MLP at 2i+1; skipped sublayers keep their value)."""
+        hidden states (attention of layer i at 2i, MLP at 2i+1; skipped sublayers keep their value).  ``prompt``:
+        products of 65 rows or more take the blocked prompt kernel (``prompt_gemm.c``), whose rows differ from
+        one-token rows in rounding; never for a pass whose rows are compared with one-token steps."""
         h = h.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # written in place
         T = h.shape[1]
         if start + T > cache.capacity:
@@ -166,7 +168,7 @@ class FusedStack:
         io[:, 3:] = cache.buffer_pointers([(layer.n_kv, layer.head_dim) for layer in self.layers], torch.float32)
         status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
                           io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
-                          None if cosines is None else self._cosine_buffer(cosines))  # fmt: skip
+                          None if cosines is None else self._cosine_buffer(cosines), int(prompt))  # fmt: skip
         if status != 0:
             raise MemoryError("the fused decoder could not allocate its scratch memory")
         return h

@@ -25,6 +25,8 @@ void selfspec_linear_q4_ws(long T, long N, long K, const float *x, const uint8_t
                            const float *minv, const float *bias, float *y);
 void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x, const int8_t *codes,
                            const float *scale, const float *minv, const float *bias, float *y);
+int selfspec_prompt_gemm_ws(int bits, long T, long N, long K, long G, const float *x, const void *codes,
+                            const float *scale, const float *minv, const float *bias, float *y);
 
 #define LANES 16
 
@@ -45,8 +47,24 @@ typedef struct {
     long act; /* 0: SiLU, 1: tanh-approximated GELU */
 } layer_t;
 
+/* How a pass computes its products: bulk (the prompt, rows >= PROMPT_ROWS) takes prompt_gemm.c's blocked product,
+ * every other pass the row kernels whose rows do not depend on T.  failed: set when scratch memory ran out. */
+typedef struct {
+    int bulk;
+    int *failed;
+} pass_t;
+
+#define PROMPT_ROWS 65
+
 /* This thread's share of y = x @ W.T (+ bias), inside the stack's parallel region; no barrier. */
-static void matmul(const qmat *m, long T, const float *x, float *y) {
+static void matmul(const qmat *m, long T, const float *x, float *y, const pass_t *ps) {
+    if (ps->bulk && T >= PROMPT_ROWS) {
+        if (selfspec_prompt_gemm_ws((int)m->bits, T, m->N, m->K, m->G, x, m->codes, m->scale, m->minv, m->bias, y)) {
+#pragma omp atomic write
+            *ps->failed = 1;
+        }
+        return;
+    }
     if (m->bits == 4)
         selfspec_linear_q4_ws(T, m->N, m->K, x, (const uint8_t *)m->codes, m->scale, m->minv, m->bias, y);
     else
@@ -319,14 +337,14 @@ static void add_residual(const float *out_norm, float off, float eps, long T, lo
  * scratch for attention (start + T entries). */
 static void attention_block(const layer_t *L, const layer_io *io, long T, long start, long cap, float *h,
                             float *x, float *q, float *k, float *v, float *a, float *o, long *list, float *p,
-                            const cosines *cos, long slot) {
+                            const cosines *cos, long slot, const pass_t *ps) {
     const long H = L->hidden, nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) rmsnorm(h + t * H, L->attn_in_norm, off, eps, H, x + t * H);
-    matmul(&L->q, T, x, q);
-    matmul(&L->k, T, x, k);
-    matmul(&L->v, T, x, v);
+    matmul(&L->q, T, x, q, ps);
+    matmul(&L->k, T, x, k, ps);
+    matmul(&L->v, T, x, v, ps);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
@@ -352,23 +370,23 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
         attend_row(q + (t * nh + hh) * hd, io->k + g * cap * hd, io->v + g * cap * hd, hd, visible, allow,
                    (float)L->scaling, list, p, a + (t * nh + hh) * hd);
     }
-    matmul(&L->o, T, a, o);
+    matmul(&L->o, T, a, o, ps);
 #pragma omp barrier
     add_residual(L->attn_out_norm, off, eps, T, H, o, h, cos, slot);
 }
 
 static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf, float *ubuf, float *o,
-                      const cosines *cos, long slot) {
+                      const cosines *cos, long slot, const pass_t *ps) {
     const long H = L->hidden, I = L->inter;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) rmsnorm(h + t * H, L->mlp_in_norm, off, eps, H, x + t * H);
-    matmul(&L->gate, T, x, gbuf);
-    matmul(&L->up, T, x, ubuf);
+    matmul(&L->gate, T, x, gbuf, ps);
+    matmul(&L->up, T, x, ubuf, ps);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) activation(L->act, gbuf + t * I, ubuf + t * I, I);
-    matmul(&L->down, T, gbuf, o);
+    matmul(&L->down, T, gbuf, o, ps);
 #pragma omp barrier
     add_residual(L->mlp_out_norm, off, eps, T, H, o, h, cos, slot);
 }
@@ -376,10 +394,11 @@ static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf,
 /* Runs layers 0..n-1 over h [T, hidden] in place.  skip: [2n] flags (attention of layer i at 2i, MLP at
  * 2i+1); io: [n] per-layer mask, rotary table and cache buffers; new keys/values go to slots
  * [start, start + T) of caches with `cap` slots.  cosine_out: NULL, or [2n] that receives each computed
- * sublayer's mean cosine of input and output (skipped ones are left as they are).  Returns 0, or -1 when
- * scratch memory is unavailable. */
+ * sublayer's mean cosine of input and output (skipped ones are left as they are).  bulk: the prompt's pass,
+ * whose products of PROMPT_ROWS rows or more take prompt_gemm.c (0: every product in the T-independent row
+ * kernels).  Returns 0, or -1 when scratch memory is unavailable. */
 int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
-                          long start, long cap, float *h, float *cosine_out) {
+                          long start, long cap, float *h, float *cosine_out, int bulk) {
     long width = 0, inter = 0;
     for (long i = 0; i < n; i++) {
         const layer_t *L = layers + i;
@@ -398,6 +417,7 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
     float *x = buf, *q = x + T * width, *k = q + T * width, *v = k + T * width, *a = v + T * width;
     float *o = a + T * width, *g = o + T * width, *u = g + T * inter;
     int failed = 0;
+    const pass_t ps = {bulk, &failed};
 #pragma omp parallel
     {
         long *list = malloc((start + T) * sizeof(long));
@@ -409,8 +429,8 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
 #pragma omp barrier
         for (long i = 0; i < n && !failed; i++) {  /* every thread reads the same `failed` after the barrier */
             const layer_t *L = layers + i;
-            if (!skip[2 * i]) attention_block(L, io + i, T, start, cap, h, x, q, k, v, a, o, list, p, &cos, 2 * i);
-            if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o, &cos, 2 * i + 1);
+            if (!skip[2 * i]) attention_block(L, io + i, T, start, cap, h, x, q, k, v, a, o, list, p, &cos, 2 * i, &ps);
+            if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o, &cos, 2 * i + 1, &ps);
         }
         free(list);
         free(p);

@@ -229,6 +229,25 @@ void selfspec_linear_q8(long T, long N, long K, long G, const float *x, const in
     selfspec_linear_q8_ws(T, N, K, G, x, codes, scale, minv, 0, y);
 }
 
+/* out [K] = row n of W, decoded (one thread; prompt_gemm.c's panels) */
+void selfspec_rows_q4_one(long n, long K, const uint8_t *codes, const float *scale, const float *minv, float *out) {
+    const long groups = K / 32;
+    for (long g = 0; g < groups; g++) {
+        vec w0, w1;
+        decode_q4(codes + n * groups * 16, scale + n * groups, minv + n * groups, g, &w0, &w1);
+        v_store(out + g * 32, w0);
+        v_store(out + g * 32 + LANES, w1);
+    }
+}
+
+void selfspec_rows_q8_one(long n, long K, long G, const int8_t *codes, const float *scale, const float *minv,
+                          float *out) {
+    const long groups = K / G;
+    for (long c = 0; c < K / LANES; c++)
+        v_store(out + c * LANES, decode_q8(codes + n * K, scale + n * groups, minv ? minv + n * groups : 0,
+                                           (int)(G == 32), c));
+}
+
 /* out [R, K] = the rows idx[0..R) of W, decoded (embedding lookups, prefill tiles, tests). */
 void selfspec_rows_q4(long R, const int64_t *idx, long K, const uint8_t *codes, const float *scale,
                       const float *minv, float *out) {

@@ -102,7 +102,7 @@ class Engine:
         ``prefill`` (the prompt, which every method passes alike) lets quantised products of many rows take a
         faster path whose rows are not bit-equal to one-token products (see :func:`selfspec.core.quant.bulk_rows`).
         """
-        if prefill and quant.prefill_has_own_kernel():
+        if prefill and (quant.prefill_has_own_kernel() or not self.fused):  # the fused stack runs its own
             with quant.bulk_rows():
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only,
@@ -130,7 +130,9 @@ class Engine:
         collect = cosine_out is not None
         if self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None:
             cos = np.full(2 * self.num_layers, np.nan, dtype=np.float32) if collect else None
-            h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos)
+            prompt = prefill and quant.prefill_kernel() == "gemm"  # (the other prompt kernels never get here)
+            h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
+                                prompt=prompt)  # fmt: skip
             if cos is not None:
                 cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
             return self._head(h, last_only, argmax_only, draft)
