@@ -251,27 +251,12 @@ void selfspec_rows_q8_one(long n, long K, long G, const int8_t *codes, const flo
 /* out [R, K] = the rows idx[0..R) of W, decoded (embedding lookups, prefill tiles, tests). */
 void selfspec_rows_q4(long R, const int64_t *idx, long K, const uint8_t *codes, const float *scale,
                       const float *minv, float *out) {
-    const long groups = K / 32;
 #pragma omp parallel for schedule(static) if (R > 16)
-    for (long r = 0; r < R; r++) {
-        const long n = idx[r];
-        for (long g = 0; g < groups; g++) {
-            vec w0, w1;
-            decode_q4(codes + n * groups * 16, scale + n * groups, minv + n * groups, g, &w0, &w1);
-            v_store(out + r * K + g * 32, w0);
-            v_store(out + r * K + g * 32 + LANES, w1);
-        }
-    }
+    for (long r = 0; r < R; r++) selfspec_rows_q4_one(idx[r], K, codes, scale, minv, out + r * K);
 }
 
 void selfspec_rows_q8(long R, const int64_t *idx, long K, long G, const int8_t *codes, const float *scale,
                       const float *minv, float *out) {
-    const long groups = K / G;
 #pragma omp parallel for schedule(static) if (R > 16)
-    for (long r = 0; r < R; r++) {
-        const long n = idx[r];
-        for (long c = 0; c < K / LANES; c++)
-            v_store(out + r * K + c * LANES,
-                    decode_q8(codes + n * K, scale + n * groups, minv ? minv + n * groups : 0, (int)(G == 32), c));
-    }
+    for (long r = 0; r < R; r++) selfspec_rows_q8_one(idx[r], K, G, codes, scale, minv, out + r * K);
 }
