@@ -397,8 +397,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if model.quantization != "none":
         from ..core.quant import bfloat16_speedup
 
-        print(f"torch's bfloat16 products run {bfloat16_speedup():.1f}x its float32 ones here; --prefill-dtype bfloat16 "
-              "takes them for the prompt (activations rounded to 8-bit mantissas)")
+        print(f"torch's bfloat16 products run {bfloat16_speedup():.1f}x its float32 ones here; "
+              "--prefill-dtype bfloat16 takes them for the prompt (activations rounded to 8-bit mantissas)")
     print("full-model pass over T new tokens (ms): " + ", ".join(f"T={t} {ms:.1f}" for t, ms in steps.items()))
     print(f"prepared weight copies (packed / low precision) in use: {model.adapter.kernel_memory() / 1e6:.0f} MB")
     vocab = model.engine.draft_vocab

@@ -174,25 +174,44 @@ int selfspec_vector_kernels(void) {
 #endif
 }
 
+/* One pass: y [T, N] = x [T, K] @ W.T (+ bias), this thread's share of the output rows; bits 4 (q4 codes) or 8
+ * (q8 codes in groups of 16 << group_shift) -- constant in a call, so the branch costs nothing. */
+static inline void linear_pass(int bits, long T, long N, long K, int group_shift, const float *x, const void *codes,
+                               const float *scale, const float *minv, const float *bias, float *y) {
+    const long groups = bits == 4 ? K / 32 : K / (16L << group_shift);
+    const long row_bytes = bits == 4 ? groups * 16 : K;  /* codes per output row */
+    const char *c = (const char *)codes;
+#pragma omp for schedule(static) nowait
+    for (long n = 0; n < N; n++) {
+        const long ahead = n + PREFETCH_ROWS;
+        prefetch_row(c + ahead * row_bytes, row_bytes, scale + ahead * groups, minv ? minv + ahead * groups : 0,
+                     groups);
+        if (bits == 4) {
+            ROW_BLOCKS(row_q4, (const uint8_t *)c + n * row_bytes, scale + n * groups, minv + n * groups)
+        } else {
+            ROW_BLOCKS(row_q8, (const int8_t *)c + n * row_bytes, scale + n * groups, minv ? minv + n * groups : 0,
+                       group_shift)
+        }
+        if (bias)
+            for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
+    }
+}
+
+/* All T rows of x in passes of x_rows_per_pass rows (no barrier between passes: each thread keeps its rows) */
+static inline void linear_ws(int bits, long T, long N, long K, int group_shift, const float *x, const void *codes,
+                             const float *scale, const float *minv, const float *bias, float *y) {
+    const long step = x_rows_per_pass(T, K);
+    for (long t0 = 0; t0 < T; t0 += step)
+        linear_pass(bits, T - t0 < step ? T - t0 : step, N, K, group_shift, x + t0 * K, codes, scale, minv, bias,
+                    y + t0 * N);
+}
+
 /* y [T, N] = x [T, K] @ W.T (+ bias) for W [N, K] in q4; K a multiple of 32.  The _ws forms share their output
  * rows among the threads of an enclosing parallel region (every thread must call them; no barrier at the end:
  * the caller places one); bias may be NULL and is added to each output row after its product. */
-void selfspec_linear_q4_ws(long T, long N, long K, const float *x0, const uint8_t *codes, const float *scale,
-                           const float *minv, const float *bias, float *y0) {
-    const long groups = K / 32, all = T, step = x_rows_per_pass(T, K);
-    for (long t0 = 0; t0 < all; t0 += step) {
-        const long T = all - t0 < step ? all - t0 : step;
-        const float *x = x0 + t0 * K;
-        float *y = y0 + t0 * N;
-#pragma omp for schedule(static) nowait
-        for (long n = 0; n < N; n++) {
-            prefetch_row(codes + (n + PREFETCH_ROWS) * groups * 16, groups * 16, scale + (n + PREFETCH_ROWS) * groups,
-                         minv + (n + PREFETCH_ROWS) * groups, groups);
-            ROW_BLOCKS(row_q4, codes + n * groups * 16, scale + n * groups, minv + n * groups)
-            if (bias)
-                for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
-        }
-    }
+void selfspec_linear_q4_ws(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
+                           const float *minv, const float *bias, float *y) {
+    linear_ws(4, T, N, K, 1, x, codes, scale, minv, bias, y);
 }
 
 void selfspec_linear_q4(long T, long N, long K, const float *x, const uint8_t *codes, const float *scale,
@@ -203,24 +222,9 @@ void selfspec_linear_q4(long T, long N, long K, const float *x, const uint8_t *c
 
 /* y [T, N] = x [T, K] @ W.T (+ bias) for W [N, K] in q8 with groups of G (16 or 32); K a multiple of 32; minv
  * may be NULL. */
-void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x0, const int8_t *codes,
-                           const float *scale, const float *minv, const float *bias, float *y0) {
-    const long groups = K / G;
-    const int group_shift = (int)(G == 32);
-    const long all = T, step = x_rows_per_pass(T, K);
-    for (long t0 = 0; t0 < all; t0 += step) {
-        const long T = all - t0 < step ? all - t0 : step;
-        const float *x = x0 + t0 * K;
-        float *y = y0 + t0 * N;
-#pragma omp for schedule(static) nowait
-        for (long n = 0; n < N; n++) {
-            prefetch_row(codes + (n + PREFETCH_ROWS) * K, K, scale + (n + PREFETCH_ROWS) * groups,
-                         minv ? minv + (n + PREFETCH_ROWS) * groups : 0, groups);
-            ROW_BLOCKS(row_q8, codes + n * K, scale + n * groups, minv ? minv + n * groups : 0, group_shift)
-            if (bias)
-                for (long r = 0; r < T; r++) y[r * N + n] = y[r * N + n] + bias[n];
-        }
-    }
+void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x, const int8_t *codes,
+                           const float *scale, const float *minv, const float *bias, float *y) {
+    linear_ws(8, T, N, K, (int)(G == 32), x, codes, scale, minv, bias, y);
 }
 
 void selfspec_linear_q8(long T, long N, long K, long G, const float *x, const int8_t *codes,
