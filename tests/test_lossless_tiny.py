@@ -28,7 +28,7 @@ def test_vanilla_matches_transformers_generate(tiny):
         ("asd", {"variant": "cs"}),
         ("asd", {"variant": "cs+r2"}),
         ("asd", {"variant": "r1+r2", "m": 2}),
-        ("asd", {"draft_length": 3}),
+        ("asd", {"draft_length": 3, "preset": "paper"}),  # ADMG as published: drafts whatever the measured costs
         ("static", {"skip_set": {"attention": [1, 2, 3], "mlp": [2, 4]}}),
         ("static", {"skip_set": {"attention": [0, 1, 2, 3, 4], "mlp": [0, 1, 2, 3, 4]}, "max_draft": 5}),
         ("static", {"skip_set": {"attention": [], "mlp": []}, "draft_length": 4}),  # draft == full model
