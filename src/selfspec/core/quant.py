@@ -17,12 +17,13 @@ compiler (``-O3 -march=native``) into the cache folder and loaded with ctypes; i
 threads are torch's own OpenMP pool.  Each output row is computed in the same order
 whatever the number of rows in the call, so verifying ten drafted tokens gives each
 the logits a one-token step would (greedy speculative decoding stays lossless).
-The prompt goes through the same kernels by default (:func:`prefill_kernel`), which process
-the rows of x in passes that fit the L1 cache; on request (or on CPUs without AVX-512) its
-products take another kernel inside :func:`bulk_rows`: bf16 dot products of exact activation
-splits (``prefill_gemm.c``), torch's BLAS on decoded fp32 tiles, or bfloat16 products.  Those
-are not row-for-row equal to one-token products, so only passes whose rows are never
-compared with one-token steps (the prompt, which every method prefills alike) may take them.
+The prompt's products take a kernel of their own (:func:`prefill_kernel`): by default a
+blocked product of decoded weight panels (``prompt_gemm.c``, in the fused stack); on request
+the one-token kernels themselves (rows of x in passes that fit the L1 cache), bf16 dot
+products of exact activation splits (``prefill_gemm.c``), torch's BLAS on decoded fp32
+tiles, or bfloat16 products.  All but the one-token kernels are not row-for-row equal to
+one-token products, so only passes whose rows are never compared with one-token steps (the
+prompt, which every method prefills alike) may take them.
 
 ``quantize_weight`` makes the same forms from an fp32 matrix for ``--quantize int8|int4``
 on HF checkpoints (Q8_0-like symmetric int8, Q4_1-like asymmetric int4, groups of 32).
@@ -60,7 +61,7 @@ SOURCES = (SOURCE, Path(__file__).with_name("fused_decoder.c"),  # one library: 
            Path(__file__).with_name("prefill_gemm.c"), Path(__file__).with_name("prompt_gemm.c"))  # fmt: skip
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 PREFILL_ROWS = 65  # within bulk_rows(), calls with at least this many rows take the prompt kernel
-PREFILL_KERNEL_ENV = "SELFSPEC_PREFILL_KERNEL"  # rows | split | tiles (see prefill_kernel)
+PREFILL_KERNEL_ENV = "SELFSPEC_PREFILL_KERNEL"  # gemm | rows | split | tiles (see prefill_kernel)
 PREFILL_KERNELS = ("rows", "gemm", "split", "tiles")
 TILE_ELEMENTS = 1 << 21  # fp32 elements per decoded tile (8 MB)
 
