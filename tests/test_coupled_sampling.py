@@ -36,6 +36,7 @@ METHODS = [
     ("swift", {"context_window": 8, "draft_dtype": "same"}),  # default cost schedule: reads the clock
     ("swift", {"schedule": "paper", "epsilon": 0.0, "max_draft": 4, "skip_ratio": 0.3, "context_window": 4}),
     ("pld", {"draft_length": 3, "max_ngram": 2}),
+    ("suffix", {"max_ngram": 2}),  # token trees from the history, verified by exact match
     ("auto", {"draft_dtype": "same"}),
 ]
 

@@ -34,6 +34,8 @@ def test_vanilla_matches_transformers_generate(tiny):
         ("static", {"skip_set": {"attention": [], "mlp": []}, "draft_length": 4}),  # draft == full model
         ("pld", {"draft_length": 3}),
         ("pld", {"max_ngram": 2, "min_ngram": 1, "draft_length": 1}),
+        ("suffix", {}),
+        ("suffix", {"max_ngram": 2, "max_nodes": 6, "store_tokens": 0}),
         ("auto", {"draft_dtype": "same", "schedule": "paper"}),
     ],
 )

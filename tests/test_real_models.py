@@ -31,6 +31,7 @@ METHODS = [
     ("asd", {"variant": "r1+r2", "m": 4, "draft_length": 6}),
     ("static", {"skip_set": {"attention": [3, 6, 9, 12, 15, 18, 21], "mlp": [4, 8, 12, 16, 20]}}),
     ("pld", {}),  # drafts copied from the history, length priced with measured costs
+    ("suffix", {}),  # frequency-weighted trees from the history and the session's earlier outputs
 ]
 
 

@@ -40,7 +40,7 @@ from selfspec.decoding import loop as decoding
 from selfspec.decoding.acceptance import accept_sampling
 from selfspec.decoding.loop import Decoder, prefill
 from selfspec.decoding.trees import DraftTree
-from selfspec.drafters import hybrid
+from selfspec.drafters import hybrid, suffix
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
 
@@ -205,6 +205,7 @@ METHODS = {
     "swift-tree": ("swift", {"schedule": "paper", "epsilon": 0.0, "max_draft": 3, "skip_ratio": 0.3,
                              "draft_dtype": "same", "context_window": 4}),  # fmt: skip
     "pld": ("pld", {"draft_length": 2, "max_ngram": 1}),  # point-mass drafts looked up in the history
+    "suffix": ("suffix", {"max_ngram": 1}),  # the tree's most frequent chain, point masses
     "auto": ("auto", {"schedule": "paper", "epsilon": 0.0, "max_draft": 3, "draft_dtype": "same",
                       "context_window": 4, "max_ngram": 1}),  # fmt: skip
 }
@@ -286,6 +287,8 @@ def test_speculative_sampling_is_exact(small_vocab, monkeypatch, name, setting):
     params = SETTINGS[setting]
     if name == "auto":  # whether a losing layer-skip source sits a round out follows measured times: never here
         monkeypatch.setattr(hybrid, "EXPLORE_EVERY", 0)
+    if name == "suffix":  # whether a draft pays follows measured times: here it always drafts
+        monkeypatch.setattr(suffix, "MIN_GAIN", 0.0)
     counts, verified, drafted = sample_outputs(small_vocab, method, options, params)
     assert drafted > SAMPLES // 2, "the method really drafted"
     if name == "swift-tree":

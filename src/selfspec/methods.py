@@ -247,6 +247,31 @@ METHODS["pld"] = MethodSpec(
 )
 
 
+def _suffix_drafter(opts: dict[str, Any]):
+    from .drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(max_ngram=int(opts.get("max_ngram", 16)), min_ngram=int(opts.get("min_ngram", 1)),
+                         max_draft=int(opts.get("max_draft", 10)), max_nodes=int(opts.get("max_nodes", 16)),
+                         store_tokens=int(opts.get("store_tokens", 16384)))  # fmt: skip
+
+
+# Suffix drafting (SuffixDecoding's idea): trees of the continuations of every occurrence of the last n tokens
+METHODS["suffix"] = MethodSpec(
+    "suffix",
+    "suffix drafting: a token tree of what followed every earlier occurrence of the last n tokens, in the prompt, "
+    "the output and the session's earlier outputs, weighted by frequency (no draft pass)",
+    {
+        "max_ngram": METHODS["pld"].options["max_ngram"],
+        "min_ngram": METHODS["pld"].options["min_ngram"],
+        "max_draft": "deepest branch drafted per round (default 10)",
+        "max_nodes": "most tokens one verification holds, root included (default 16); the tree is priced",
+        "store_tokens": "the session's earlier outputs kept for matching, in tokens (default 16384; 0: none)",
+    },
+    None,
+    _suffix_drafter,
+)
+
+
 def _auto_drafter(opts: dict[str, Any]):
     from .drafters.hybrid import HybridDrafter
 

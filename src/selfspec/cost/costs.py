@@ -6,7 +6,9 @@ what a pass over 1 costs; on our 2-core CPU it costs 1.5-2x (DESIGN.md section
 4).  Draft lengths, tree widths and skip sets are therefore chosen from a
 :class:`CostProfile` measured here, not from constants of GPU papers:
 
-* ``forward_ms[T]``: one full-model pass over T new tokens (T = 1..64);
+* ``forward_ms[T]``: one verification over T new tokens (T = 1..64): the full-model pass with the logits of
+  all T rows (a verification needs each row's token; a large LM head, such as Gemma 3's 262k rows, makes
+  this nearly twice a pass that keeps only the last row), their finiteness check and their argmax;
 * per draft precision (the model's own dtype, and float16 / bfloat16 copies
   of the linear weights, see :mod:`selfspec.core.kernels`): what one attention /
   MLP sublayer adds to a one-token pass (averaged over the layers), the rest
@@ -39,7 +41,7 @@ import torch
 from ..core.skipset import SkipSet
 from ..io import atomic_write_text, cache_dir
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5  # 5: forward_ms times verifications (all rows' logits), not last-row passes
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
 PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MIN_AGREEMENT = 0.9  # a draft precision must reproduce at least this share of the full model's greedy tokens
@@ -220,7 +222,10 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
             ids = torch.tensor([gen.randrange(vocab) for _ in range(T)], device=engine.device)
             _sync(engine.device)
             t0 = time.perf_counter()
-            engine.forward(cache, ids, context, skip=skip, last_only=True, precision=dtype)
+            if name.startswith("T"):
+                _verification(engine, cache, ids, context)
+            else:
+                engine.forward(cache, ids, context, skip=skip, last_only=True, precision=dtype)
             _sync(engine.device)
             if rep:
                 times[name].append(1000 * (time.perf_counter() - t0))
@@ -264,6 +269,14 @@ def decode_step_ms(model, rows=(1, 2, 4, 8, 16), *, context: int = 128, reps: in
             times.append(1000 * (time.perf_counter() - t0))
         out[T] = statistics.median(times[1:])
     return out
+
+
+def _verification(engine, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """What a round's verification computes from its T tokens (:meth:`Decoder._verify`, greedy acceptance):
+    every row's logits, checked finite, and each row's argmax."""
+    logits = engine.forward(cache, ids, start)  # [T, V]
+    bool(torch.isfinite(logits).all())
+    return logits.argmax(-1)
 
 
 def _non_decreasing(values: list[float]) -> list[float]:
