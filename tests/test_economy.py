@@ -7,7 +7,7 @@ from conftest import tiny_model
 
 from selfspec.core.skipset import SkipSet
 from selfspec.cost.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
-from selfspec.cost.economy import Calibration, Economy
+from selfspec.cost.economy import Calibration, Economy, VerifyCurve
 from selfspec.drafters.layerskip import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
 
 
@@ -114,3 +114,46 @@ def test_tree_widths():
     paper = PaperTreeWidths()
     assert [paper.leaves([p], 1.0, 2, 9) for p in (0.3, 0.7, 0.9, 0.99)] == [9, 4, 2, 0]  # k = 10, 5, 3, 1
     assert paper.leaves([0.3], 1.0, 2, 3) == 3
+
+
+def test_the_verification_curve_follows_what_rounds_measure():
+    """The profile's curve at its short context, corrected: rounds of two tokens measured dearer than it says
+    raise every multi-token ratio, one-token rounds set the unit."""
+
+    class Linear:
+        def forward(self, tokens: int) -> float:
+            return 4.0 + 0.5 * (tokens - 1)  # ms
+
+    curve = VerifyCurve(Linear(), smoothing=0.5)
+    assert curve.ratio(1) == 1.0 and curve.ratio(3) == pytest.approx(1.25)
+    for _ in range(20):
+        curve.observe(1, 4.0)
+        curve.observe(2, 5.0)  # one extra token costs 1 ms here, not the profile's 0.5
+    assert curve.slope == pytest.approx(2.0, rel=1e-3)
+    assert curve.ratio(3) == pytest.approx(1.5, rel=1e-3)
+    curve.observe(2, 1e6)  # one absurd measurement moves the factor only up to its bound
+    assert curve.slope <= VerifyCurve.SLOPE_RANGE[1]
+
+
+def test_prompt_lookup_stops_drafting_where_verifications_turn_out_dear():
+    from types import SimpleNamespace
+
+    from selfspec.core.sampling import GREEDY_SAMPLER
+    from selfspec.drafters.lookup import PromptLookupDrafter
+
+    class Flat:
+        def forward(self, tokens: int) -> float:
+            return 4.0 + 0.4 * (tokens - 1)  # the profile: an extra token costs 10% of a step
+
+    d = PromptLookupDrafter(max_ngram=1)
+    d._costs = VerifyCurve(Flat())
+    history = [1, 2, 3, 1]
+
+    def propose():
+        return d.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=8, sampler=GREEDY_SAMPLER)
+
+    assert propose() is not None  # a one-token match, acceptance 0.3 by the prior: pays at 10% per token
+    for _ in range(30):
+        d.observe(None, [0], tokens=1, round_ms=4.0, draft_ms=0.0, verify_ms=4.0)
+        d._costs.observe(2, 6.0)  # but here a second token costs half a step
+    assert propose() is None

@@ -9,6 +9,7 @@ from test_lookup import FlatProfile
 
 import selfspec
 from selfspec.core.sampling import GREEDY_SAMPLER
+from selfspec.cost.economy import VerifyCurve
 from selfspec.decoding.protocols import DraftOutcome
 from selfspec.decoding.trees import DraftTree
 from selfspec.drafters.hybrid import HybridDrafter
@@ -36,7 +37,7 @@ class DeclineToDraft:
 
 def test_a_lookup_source_whose_drafts_are_rejected_fades_out():
     lookup = PromptLookupDrafter()
-    lookup._profile = FlatProfile(0.1)  # verifying k + 1 tokens costs 1 + 0.1 k steps
+    lookup._costs = VerifyCurve(FlatProfile(0.1))  # verifying k + 1 tokens costs 1 + 0.1 k steps
     layerskip = DeclineToDraft()
     hybrid = HybridDrafter(lookup, layerskip)
     history = [1, 2, 3, 4] * 10
@@ -45,7 +46,8 @@ def test_a_lookup_source_whose_drafts_are_rejected_fades_out():
         out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20,
                              sampler=GREEDY_SAMPLER)  # fmt: skip
         used.append(out is not None)
-        hybrid.observe(out, [0], tokens=1, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)  # every draft rejected
+        ms = 1.0 + 0.1 * (len(out.tree) - 1) if out is not None else 1.0  # as the profile says
+        hybrid.observe(out, [0], tokens=1, round_ms=ms, draft_ms=0.0, verify_ms=ms)  # every draft rejected
     assert all(used[:3]), "a fresh match is tried"
     assert not any(used[-20:]), "after enough rejections the lookup source proposes nothing"
     assert layerskip.calls >= 20, "the other source gets the rounds"
@@ -53,7 +55,7 @@ def test_a_lookup_source_whose_drafts_are_rejected_fades_out():
 
 def test_the_measured_gain_of_layer_skip_rounds_decides_against_a_weak_lookup():
     lookup = PromptLookupDrafter(max_ngram=3)  # short matches only: a modest expected gain
-    lookup._profile = FlatProfile(0.02)
+    lookup._costs = VerifyCurve(FlatProfile(0.02))
     drafted = DraftOutcome(DraftTree.chain(4, [1, 2, 3]), [0.9] * 3, {}, 3)
 
     class GoodSkipDrafts(DeclineToDraft):
@@ -106,7 +108,7 @@ def test_a_losing_layer_skip_source_sits_out_but_still_explores():
     from selfspec.drafters.hybrid import EXPLORE_EVERY, MAX_BACKOFF
 
     lookup = PromptLookupDrafter()
-    lookup._profile = FlatProfile(0.1)
+    lookup._costs = VerifyCurve(FlatProfile(0.1))
     layerskip = DeclineToDraft()
     hybrid = HybridDrafter(lookup, layerskip)
     hybrid.skip_gain = 0.6  # its rounds have been earning 0.6 tokens per vanilla step

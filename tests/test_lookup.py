@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from selfspec.core.sampling import GREEDY_SAMPLER
+from selfspec.cost.economy import VerifyCurve
 from selfspec.drafters.lookup import PromptLookupDrafter
 from selfspec.errors import InvalidInputError
 
@@ -23,7 +24,7 @@ class FlatProfile:
 
 def drafter(slope: float = 0.05, **kw) -> PromptLookupDrafter:
     d = PromptLookupDrafter(**kw)
-    d._profile = FlatProfile(slope)
+    d._costs = VerifyCurve(FlatProfile(slope))
     return d
 
 
@@ -66,7 +67,8 @@ def test_a_copied_passage_is_matched_at_the_longest_size_and_earns_its_own_accep
     before16, before1 = d._length(16), d._length(1)
     for _ in range(5):  # long drafts after 16-token matches, all accepted
         d._last_n = 16
-        d.observe(out, list(range(out.steps + 1)), tokens=out.steps + 1, round_ms=1, draft_ms=0, verify_ms=1)
+        ms = 1 + 0.1 * out.steps  # as the profile says
+        d.observe(out, list(range(out.steps + 1)), tokens=out.steps + 1, round_ms=ms, draft_ms=0, verify_ms=ms)
     assert d.acceptance(16) > 0.9 and d._length(16) > before16
     assert d._length(1) == before1
     assert PromptLookupDrafter(max_ngram=5).sizes == (1, 2, 3, 4, 5)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from selfspec.core.sampling import GREEDY_SAMPLER
+from selfspec.cost.economy import VerifyCurve
 from selfspec.drafters.suffix import NgramIndex, SessionStore, SuffixDrafter
 from selfspec.errors import InvalidInputError
 
@@ -23,7 +24,7 @@ class FlatProfile:
 
 def drafter(slope: float = 0.02, **kw) -> SuffixDrafter:
     d = SuffixDrafter(**kw)
-    d._profile = FlatProfile(slope)
+    d._costs = VerifyCurve(FlatProfile(slope))
     return d
 
 
@@ -77,7 +78,8 @@ def test_acceptance_is_learnt_from_the_share_of_the_tree_that_was_tried():
     out = propose(d, history)
     assert sorted(out.tree.tokens[1:]) == [1, 2]
     before = d.acceptance(1)
-    d.observe(out, [0], tokens=1, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)  # neither was the model's token
+    ms = 1 + 0.02 * (len(out.tree) - 1)  # as the profile says
+    d.observe(out, [0], tokens=1, round_ms=ms, draft_ms=0.0, verify_ms=ms)  # neither was the model's token
     assert d._drafted[1] == pytest.approx(1.0) and d._accepted[1] == 0.0
     assert d.acceptance(1) < before
 

@@ -371,6 +371,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     model = load_model(args)
     report = model.kernel_report
     steps = decode_step_ms(model)
+    verifications = decode_step_ms(model, verify=True)
     if args.json:
         extra = {}
         if model.quantization != "none":
@@ -379,7 +380,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
             extra = {"quantization": model.quantization, "quantized_products": measure_products(model.hf),
                      **_quantized_bound(model)}
         print(json.dumps({**report.to_dict(), "bound_ms": report.bound_ms, "step_ms": steps,
-                          "extra_bytes": model.adapter.kernel_memory(), **_engine_paths(model), **extra}))  # fmt: skip
+                          "verify_ms": verifications, "extra_bytes": model.adapter.kernel_memory(),
+                          **_engine_paths(model), **extra}))  # fmt: skip
         return 0
     print(format_report(report, steps[1] if report.bandwidth_gbs else None))
     if model.quantization != "none":
@@ -400,6 +402,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         print(f"torch's bfloat16 products run {bfloat16_speedup():.1f}x its float32 ones here; "
               "--prefill-dtype bfloat16 takes them for the prompt (activations rounded to 8-bit mantissas)")
     print("full-model pass over T new tokens (ms): " + ", ".join(f"T={t} {ms:.1f}" for t, ms in steps.items()))
+    print("verification of T tokens (every row's logits and argmax; what drafts are priced with) (ms): "
+          + ", ".join(f"T={t} {ms:.1f}" for t, ms in verifications.items()))
     print(f"prepared weight copies (packed / low precision) in use: {model.adapter.kernel_memory() / 1e6:.0f} MB")
     vocab = model.engine.draft_vocab
     if vocab is not None:

@@ -248,9 +248,11 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
 
 
 @torch.inference_mode()
-def decode_step_ms(model, rows=(1, 2, 4, 8, 16), *, context: int = 128, reps: int = 15) -> dict[int, float]:
+def decode_step_ms(model, rows=(1, 2, 4, 8, 16), *, context: int = 128, reps: int = 15,
+                   verify: bool = False) -> dict[int, float]:  # fmt: skip
     """Median ms of one full-model pass over T new tokens on a warm cache of ``context`` tokens (the figure
-    ``selfspec kernels`` sets against the weight-read bound)."""
+    ``selfspec kernels`` sets against the weight-read bound); with ``verify``, of a verification (every row's
+    logits and argmax, as a speculative round needs them)."""
     engine = model.engine
     context = max(8, min(context, model.max_context // 2 - max(rows)))
     cache = engine.new_cache(context + max(rows))
@@ -264,7 +266,10 @@ def decode_step_ms(model, rows=(1, 2, 4, 8, 16), *, context: int = 128, reps: in
             ids = torch.tensor([gen.randrange(model.adapter.vocab_size) for _ in range(T)], device=engine.device)
             _sync(engine.device)
             t0 = time.perf_counter()
-            engine.forward(cache, ids, context, last_only=True)
+            if verify:
+                _verification(engine, cache, ids, context)
+            else:
+                engine.forward(cache, ids, context, last_only=True)
             _sync(engine.device)
             times.append(1000 * (time.perf_counter() - t0))
         out[T] = statistics.median(times[1:])

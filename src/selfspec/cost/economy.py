@@ -142,3 +142,42 @@ class Economy:
             self.verify_scale = _ema(self.verify_scale, verify_ms / predicted, w)
         if first_kept is not None:
             self.first_token_acceptance = _ema(self.first_token_acceptance, float(first_kept), w)
+
+
+class VerifyCurve:
+    """What a verification over T tokens costs next to a one-token round, as the rounds measure it.
+
+    The profile's curve was timed at a 128-token context; at a long one every extra row's attention costs
+    more (SmolLM2 on a 450-token summary: a two-token round 1.28x a one-token one, the profile says 1.12x),
+    so a draft priced with the profile alone can lose time.  Kept here: the running mean of a one-token
+    round's ms, and the factor by which rounds of more tokens cost more than the profile says *beyond* one
+    token; the profile keeps the curve's shape.
+    """
+
+    SLOPE_RANGE = (0.25, 4.0)
+
+    def __init__(self, profile: CostProfile, smoothing: float = 0.1) -> None:
+        self.profile, self.smoothing = profile, smoothing
+        self.one_ms = profile.forward(1)
+        self.slope = 1.0
+        self.rounds = 0
+
+    def observe(self, tokens: int, verify_ms: float) -> None:
+        """One round's verification over ``tokens`` tokens (root included) took ``verify_ms``."""
+        if verify_ms <= 0:
+            return
+        self.rounds += 1
+        if tokens <= 1:
+            self.one_ms = _ema(self.one_ms, verify_ms, self.smoothing)
+            return
+        extra = self.profile.forward(tokens) - self.profile.forward(1)
+        if extra > 0:
+            lo, hi = self.SLOPE_RANGE
+            measured = min(max((verify_ms - self.one_ms) / extra, lo), hi)
+            self.slope = _ema(self.slope, measured, self.smoothing)
+
+    def ratio(self, tokens: int) -> float:
+        """Cost of verifying ``tokens`` tokens in one-token rounds (1.0 for one)."""
+        if tokens <= 1:
+            return 1.0
+        return 1.0 + self.slope * (self.profile.forward(tokens) - self.profile.forward(1)) / self.one_ms

@@ -59,6 +59,7 @@ class PromptLookupDrafter:
         self._index: dict[tuple[int, ...], int] = {}
         self._history: list[int] = []
         self._profile = None
+        self._costs = None  # the verification cost curve, corrected by the rounds' measured times
         self._drafted = {n: 0.0 for n in self.sizes}
         self._accepted = {n: 0.0 for n in self.sizes}
         self._last_n = 0
@@ -67,8 +68,12 @@ class PromptLookupDrafter:
     # -- the Drafter protocol -------------------------------------------------------------------
     def bind(self, model, skip) -> None:
         from ..cost.costs import cost_profile
+        from ..cost.economy import VerifyCurve
 
-        self._profile = cost_profile(model) if self.fixed is None else None
+        profile = cost_profile(model) if self.fixed is None else None
+        if profile is not self._profile:
+            self._profile = profile
+            self._costs = VerifyCurve(profile) if profile is not None else None
         self._index, self._history = {}, []
 
     def precision(self, model) -> str | None:
@@ -96,6 +101,8 @@ class PromptLookupDrafter:
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip
+        if self._costs is not None:
+            self._costs.observe(len(outcome.tree) if outcome is not None else 1, verify_ms)
         if outcome is None or not outcome.steps:
             return
         n = self._last_n
@@ -124,10 +131,10 @@ class PromptLookupDrafter:
 
     def _gain(self, n: int, k: int) -> float:
         """Expected tokens per vanilla step of a k-token draft after an n-gram match (1: break-even)."""
-        if self._profile is None:
+        if self._costs is None:
             return float("inf")  # a fixed draft length: not priced
         a = min(self.acceptance(n), 0.99)
-        return (1 - a ** (k + 1)) / (1 - a) / (self._profile.forward(k + 1) / self._profile.forward(1))
+        return (1 - a ** (k + 1)) / (1 - a) / self._costs.ratio(k + 1)
 
     def _length(self, n: int) -> int:
         """The draft length that maximises expected tokens per unit of cost (0: drafting does not pay)."""

@@ -131,7 +131,7 @@ class SuffixDrafter:
         self.store = SessionStore(self.sizes, store_tokens)
         self._text = NgramIndex(self.sizes)
         self._prompt_len: int | None = None  # of the current generation, known at its first proposal
-        self._profile = None
+        self._costs = None  # the verification cost curve, corrected by the rounds' measured times
         self._drafted = {n: 0.0 for n in self.sizes}  # expected acceptances of the trials (the model's mass)
         self._accepted = {n: 0.0 for n in self.sizes}
         self._last: tuple[int, DraftTree, list[float]] | None = None  # (n, tree, each node's edge share)
@@ -146,8 +146,11 @@ class SuffixDrafter:
 
     def bind(self, model, skip) -> None:
         from ..cost.costs import cost_profile
+        from ..cost.economy import VerifyCurve
 
-        self._profile = cost_profile(model)
+        profile = cost_profile(model)
+        if self._costs is None or self._costs.profile is not profile:
+            self._costs = VerifyCurve(profile)
 
     def precision(self, model) -> str | None:
         return None
@@ -184,6 +187,8 @@ class SuffixDrafter:
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip
+        if self._costs is not None:
+            self._costs.observe(len(outcome.tree) if outcome is not None else 1, verify_ms)
         if outcome is None or self._last is None or self._last[1] is not outcome.tree:
             return
         n, tree, share = self._last
@@ -215,7 +220,7 @@ class SuffixDrafter:
     def _select(self, n: int, parents: list[int], share: list[float], *, chain_only: bool) -> tuple[list[int], float]:
         """The trie's nodes to draft, most likely first (each after its parent), maximising expected tokens per
         unit of cost, and that ratio; no nodes where none beats plain decoding by ``MIN_GAIN``."""
-        a, prof = self.acceptance(n), self._profile
+        a, costs = self.acceptance(n), self._costs
         kids: list[list[int]] = [[] for _ in parents]
         for i in range(1, len(parents)):
             kids[parents[i]].append(i)
@@ -237,7 +242,7 @@ class SuffixDrafter:
             _, node = heapq.heappop(heap)
             chosen.append(node)
             expected += chance[node]
-            ratio = expected / (prof.forward(1 + len(chosen)) / prof.forward(1)) if prof else float("inf")
+            ratio = expected / costs.ratio(1 + len(chosen)) if costs is not None else float("inf")
             if ratio > best:
                 best, best_len = ratio, len(chosen)
             offer(node)
