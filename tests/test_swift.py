@@ -237,3 +237,19 @@ def test_the_budget_counts_the_scoring_pass_about_to_run(tiny_llama):
     policy._pass_seconds = 0.0  # free: the budget admits passes again
     session.generate(STREAM[2], max_new_tokens=40)
     assert policy.state.steps > steps
+
+
+def test_the_search_budget_shrinks_while_nothing_pays(tiny_llama):
+    """Speed objective: every quarter of give_up_after steps without a set predicted to pay halves the search's
+    share of decoding time (down to an eighth); a paying set restores it."""
+    session = selfspec.Session(tiny_llama, "swift", **{**FAST, "budget": 0.08, "give_up_after": 8})
+    session.generate(STREAM[0], max_new_tokens=4)
+    policy, state = session.skip_policy, session.skip_policy.state
+    state.best_score = 0.7
+    shares = []
+    for steps in (0, 1, 2, 4, 6, 100):
+        state.steps_open = steps
+        shares.append(policy._budget_share())
+    assert shares == [0.08, 0.08, 0.04, 0.02, 0.01, 0.01]
+    state.best_score = 1.2
+    assert policy._budget_share() == 0.08

@@ -275,7 +275,11 @@ METHODS["suffix"] = MethodSpec(
 def _auto_drafter(opts: dict[str, Any]):
     from .drafters.hybrid import HybridDrafter
 
-    lookup = _pld_drafter({k: opts[k] for k in ("max_ngram", "min_ngram") if k in opts})
+    ngram = str(opts.get("ngram", "suffix"))
+    if ngram not in ("suffix", "pld"):
+        raise ValueError(f"ngram must be 'suffix' or 'pld', got {ngram!r}")
+    shared = {k: opts[k] for k in ("max_ngram", "min_ngram") if k in opts}
+    lookup = _suffix_drafter(shared) if ngram == "suffix" else _pld_drafter(shared)
     return HybridDrafter(lookup, _swift_drafter(opts))
 
 
@@ -285,8 +289,9 @@ def _auto_skip(opts: dict[str, Any]) -> SwiftPolicy:
 
 
 # SWIFT's search within the hybrid gets a smaller share of the time: a scoring pass costs ~10 decoding steps on
-# our quantised models, where the lookup source usually pays more than any skip set (measured, README)
-AUTO_SEARCH_BUDGET = 0.03
+# our quantised models, where the lookup source usually pays more than any skip set (measured, README); at 0.03
+# the search (mostly rescoring the best set on each new prompt) was the whole of auto's gap to its n-gram source
+AUTO_SEARCH_BUDGET = 0.015
 
 METHODS["auto"] = MethodSpec(
     "auto",
@@ -296,6 +301,7 @@ METHODS["auto"] = MethodSpec(
         "budget": f"most skip-set search time as a share of decoding time (default {AUTO_SEARCH_BUDGET})",
         "max_ngram": METHODS["pld"].options["max_ngram"],
         "min_ngram": METHODS["pld"].options["min_ngram"],
+        "ngram": "the n-gram source: suffix (default: trees over the text and the session's outputs) or pld",
     },
     _auto_skip,
     _auto_drafter,

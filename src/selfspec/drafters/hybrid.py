@@ -35,6 +35,7 @@ from ..core.sampling import GREEDY_SAMPLER, Sampler
 from ..decoding.protocols import DraftOutcome
 from .layerskip import Drafter as LayerSkipDrafter
 from .lookup import PromptLookupDrafter
+from .suffix import SuffixDrafter
 
 SMOOTHING = 0.2  # weight of the newest round in the layer-skip source's measured gain
 EXPLORE_EVERY = 16  # a layer-skip source that loses time still drafts once in this many rounds it could have
@@ -54,7 +55,7 @@ class HybridDrafter:
 
     needs_profile = True
 
-    def __init__(self, lookup: PromptLookupDrafter, layerskip: LayerSkipDrafter) -> None:
+    def __init__(self, lookup: PromptLookupDrafter | SuffixDrafter, layerskip: LayerSkipDrafter) -> None:
         self.lookup, self.layerskip = lookup, layerskip
         self.skip_gain = 1.0  # layer-skip rounds' measured tokens per vanilla step (1: break-even)
         self._source: str | None = None
@@ -71,6 +72,9 @@ class HybridDrafter:
     def begin(self) -> None:
         """Before a generation: per-source statistics start afresh (what the sources learned stays)."""
         self.sources = {name: SourceStats() for name in self.sources}
+        begin = getattr(self.lookup, "begin", None)  # the suffix source files the last output in its store
+        if begin is not None:
+            begin()
 
     def bind(self, model, skip) -> None:
         self.lookup.bind(model, skip)

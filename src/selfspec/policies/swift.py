@@ -37,7 +37,10 @@ with a fixed ``skip_ratio`` restore the paper's behaviour):
   so a challenger is always compared on the same text.
 * **An overhead budget** (``budget``, default 0.1): optimisation steps run only
   while their time stays below this share of the session's decoding time; on
-  a 2-core CPU an optimisation step costs about a decoding step.
+  a 2-core CPU an optimisation step costs about a decoding step.  While no set
+  scored so far is predicted to pay (speed objective), the share halves every
+  quarter of ``give_up_after`` steps, down to an eighth: the evidence that
+  nothing pays grows, and so does what the search has cost.
 * **Domain shift**: after optimisation stopped, the best set is still scored
   on every new prompt's window; a drop of ``reopen_drop`` (0.1) in matchness
   below what it scored when optimisation stopped reopens the search.
@@ -118,7 +121,7 @@ class SwiftState:
     best_score: float | None = None  # objective of the best set on the current prompt's window
     best_matchness: float | None = None
     steps: int = 0
-    steps_open: int = 0  # steps since the search last (re)started
+    steps_open: int = 0  # scoring passes (steps, new prompts' rescoring) since the search last (re)started
     since_improvement: int = 0
     done: bool = False
     stop_reason: str = ""
@@ -245,7 +248,7 @@ class SwiftPolicy:
         # the pass about to run included: a short one-off generation never pays for a search it cannot use
         optimising = self.config.max_steps > 0
         spent = state.optimise_seconds + self._pass_estimate()
-        if optimising and window_ready and spent <= self.config.budget * state.decode_seconds:
+        if optimising and window_ready and spent <= self._budget_share() * state.decode_seconds:
             prompt_key = (ctx.prompt_len, *ctx.generated[: W + 1])
             if prompt_key != self._window_prompt:
                 self._window_prompt = prompt_key
@@ -256,12 +259,24 @@ class SwiftPolicy:
         state.optimise_seconds += self._last_round_end - now
         return state.best_set
 
+    def _budget_share(self) -> float:
+        """The search's share of decoding time.  Under the speed objective, while no set it scored is predicted to
+        pay, what more searching is worth shrinks with every scoring pass that found none (a step, or the best set
+        scored on a new prompt): the share halves every quarter of ``give_up_after`` such passes since the search
+        (re)opened, down to an eighth; a paying set restores it."""
+        state, cfg = self.state, self.config
+        if cfg.objective != "speed" or (state.best_score or 0.0) >= 1.0:
+            return cfg.budget
+        return cfg.budget / 2 ** min(3, state.steps_open // max(1, cfg.give_up_after // 4))
+
     # -- optimisation ------------------------------------------------------------------------------
     def _rescore_best(self, ctx) -> None:
         """A new prompt: score the best set on its window, so that challengers are compared fairly."""
         state = self.state
         m = self.matchness(ctx, state.best_set)
         state.best_score, state.best_matchness = self._objective(state.best_set, m), m
+        if not state.done and (state.best_score or 0.0) < 1.0:
+            state.steps_open += 1  # a scoring pass that found no paying set either: evidence, and time spent
         if state.done and state.matchness_at_stop is not None:
             drop = self.config.reopen_drop
             # the text changed: search again (a set that stopped paying, or none paid and drafting got easier)
