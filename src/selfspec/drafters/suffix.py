@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Sequence
 
 from ..core.sampling import Sampler
@@ -165,8 +166,9 @@ class SuffixDrafter:
             if n > len(history) - 1:
                 continue
             key = tuple(history[-n:])
-            conts = self._text.continuations(key, depth, MAX_OCCURRENCES)
-            conts += self.store.index.continuations(key, depth, MAX_OCCURRENCES)
+            deep = self._useful_depth(n, depth)
+            conts = self._text.continuations(key, deep, MAX_OCCURRENCES)
+            conts += self.store.index.continuations(key, deep, MAX_OCCURRENCES)
             if conts:
                 break
         else:
@@ -211,6 +213,16 @@ class SuffixDrafter:
         if self._prompt_len is None:
             self._prompt_len = max(len(history) - 1, 0)
         self._text.extend(history[len(toks) :])
+
+    def _useful_depth(self, n: int, depth: int) -> int:
+        """How deep a continuation is worth reading: a node at depth d is accepted with chance at most a_n^d,
+        and below the cheapest extra verified token's cost (in one-token rounds) it cannot pay."""
+        if self._costs is None:
+            return depth
+        a, marginal = self.acceptance(n), self._costs.ratio(2) - 1.0
+        if marginal <= 0.0 or a >= 0.99:
+            return depth
+        return max(1, min(depth, math.ceil(math.log(marginal) / math.log(a))))
 
     def acceptance(self, n: int) -> float:
         """Estimated chance that a continuation seen after every occurrence of an n-gram is accepted."""
