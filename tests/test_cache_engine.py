@@ -143,3 +143,27 @@ def test_argmax_only_gives_the_logits_argmax(tiny_llama):
     assert torch.equal(engine.forward(engine.new_cache(32), ids, 0, argmax_only=True), logits.argmax(-1))
     last = engine.forward(engine.new_cache(32), ids, 0, argmax_only=True, last_only=True)
     assert last.tolist() == [int(logits[-1].argmax())]
+
+
+def test_the_native_slot_copy_moves_what_torch_moves():
+    """A tree's accepted path made contiguous: the C copy of every buffer (layers of different shapes) gives
+    the very tensors the torch fallback gives, and an out-of-order request takes the fallback."""
+    from selfspec.core.cache import KVCache
+
+    def filled(seed: int) -> KVCache:
+        gen = torch.Generator().manual_seed(seed)
+        cache = KVCache(3, 12)
+        for layer, (heads, dim) in enumerate([(2, 4), (1, 8), (3, 4)]):
+            k = torch.randn(1, heads, 12, dim, generator=gen)
+            cache._write(layer, 0, k, -k)
+        return cache
+
+    for src, dst in [([5, 7, 8], 5), ([4, 6, 9, 11], 4), ([3, 4], 3), ([9, 3], 2)]:
+        native, fallback = filled(1), filled(1)
+        fallback._layout = False  # torch's copies
+        native.move(src, dst)
+        fallback.move(src, dst)
+        for layer in range(3):
+            pairs = zip(native.layer(layer, 12), fallback.layer(layer, 12), strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs)
+    assert filled(1)._native_layout() is not None, "the native copy was exercised"

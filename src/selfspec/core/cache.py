@@ -13,6 +13,7 @@ model produces, so the cache needs no architecture knowledge.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -22,6 +23,7 @@ class KVCache:
         self.length = 0
         self._keys: list[torch.Tensor | None] = [None] * num_layers
         self._values: list[torch.Tensor | None] = [None] * num_layers
+        self._layout = None  # the native slot copy's view of the buffers (see _native_layout); False: torch's
 
     # -- the one named rewind ------------------------------------------------
     def commit(self, length: int) -> None:
@@ -42,6 +44,14 @@ class KVCache:
             self._move(src_slots, dst_start)
 
     def _move(self, src_slots: list[int], dst_start: int) -> None:
+        in_order = all(s >= dst_start + i and (i == 0 or s > src_slots[i - 1]) for i, s in enumerate(src_slots))
+        layout = self._native_layout() if in_order else None
+        if layout is not None:  # one C call instead of two torch operations per buffer (0.33 ms for SmolLM2's 60)
+            lib, ptrs, heads, dims = layout
+            src = np.asarray(src_slots, dtype=np.int64)
+            lib.selfspec_move_slots(len(ptrs), ptrs.ctypes.data, heads.ctypes.data, dims.ctypes.data, self.capacity,
+                                    src.ctypes.data, len(src), dst_start)  # fmt: skip
+            return
         for buffers in (self._keys, self._values):
             for buf in buffers:
                 if buf is not None:
@@ -80,6 +90,31 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._keys + self._values if b is not None)
+
+    def _native_layout(self):
+        """(library, buffer pointers, heads, head dims) for the native slot copy, once every buffer exists as a
+        contiguous float32 CPU tensor [1, heads, capacity, dim] (they never move after); None otherwise."""
+        if self._layout is not None:
+            return self._layout or None
+        buffers = self._keys + self._values
+        if not buffers or any(b is None for b in buffers):
+            return None
+        if not all(b.device.type == "cpu" and b.dtype == torch.float32 and b.is_contiguous() and b.dim() == 4
+                   and b.shape[0] == 1 and b.shape[2] == self.capacity for b in buffers):  # fmt: skip
+            self._layout = False
+            return None
+        from .quant import NativeUnavailable, native
+
+        try:
+            lib = native()
+        except NativeUnavailable:
+            self._layout = False
+            return None
+        ptrs = np.array([b.data_ptr() for b in buffers], dtype=np.uint64)
+        heads = np.array([b.shape[1] for b in buffers], dtype=np.int64)
+        dims = np.array([b.shape[3] for b in buffers], dtype=np.int64)
+        self._layout = (lib, ptrs, heads, dims)
+        return self._layout
 
     def _write(self, layer_idx: int, start: int, k: torch.Tensor, v: torch.Tensor):
         end = start + k.shape[2]  # k: [B, H, T, D]

@@ -438,3 +438,18 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
     free(buf);
     return failed ? -1 : 0;
 }
+
+/* Copies cache slots src[i] to slots dst + i (i < n) in each of nbuf buffers of [heads[b], cap, dims[b]] floats:
+ * the accepted path of a verified token tree made contiguous.  src increases and src[i] >= dst + i, so copying
+ * in order never overwrites a slot still to be read. */
+void selfspec_move_slots(long nbuf, const uint64_t *bufs, const long *heads, const long *dims, long cap,
+                         const long *src, long n, long dst) {
+    for (long b = 0; b < nbuf; b++) {
+        float *buf = (float *)(uintptr_t)bufs[b];
+        const long d = dims[b];
+        for (long h = 0; h < heads[b]; h++)
+            for (long i = 0; i < n; i++)
+                if (src[i] != dst + i)
+                    memmove(buf + (h * cap + dst + i) * d, buf + (h * cap + src[i]) * d, (size_t)d * sizeof(float));
+    }
+}

@@ -256,6 +256,8 @@ def native() -> ctypes.CDLL:
                 f.restype = None
             lib.selfspec_prompt_gemm.argtypes = [ctypes.c_int, n, n, n, n, p, p, p, p, p, p]
             lib.selfspec_prompt_gemm.restype = ctypes.c_int
+            lib.selfspec_move_slots.argtypes = [n, p, p, p, n, p, n, n]
+            lib.selfspec_move_slots.restype = None
             lib.selfspec_prefill_available.restype = ctypes.c_int
             if lib.selfspec_prefill_available():
                 lib.selfspec_prefill_split.argtypes = [n, n, n, p, p, p]
