@@ -98,3 +98,20 @@ def test_an_abandoned_stream_still_saves_swift_state(tiny_llama, tmp_path):
     stream.close()  # the consumer stops listening after the first piece
     assert path.is_file()
     assert json.loads(path.read_text())  # a complete JSON file, one entry per model
+
+
+def test_the_finiteness_check_catches_one_nan_anywhere_and_allows_a_forbidden_token():
+    from selfspec.decoding.loop import check_finite
+
+    logits = torch.randn(4, 1000)
+    check_finite(logits, "verification")
+    for bad in (float("nan"), float("inf")):
+        broken = logits.clone()
+        broken[2, 777] = bad
+        with pytest.raises(SelfspecError, match="during verification"):
+            check_finite(broken, "verification")
+    allowed = logits.clone()
+    allowed[1, 5] = float("-inf")  # a token with probability 0
+    check_finite(allowed, "verification")
+    with pytest.raises(SelfspecError):
+        check_finite(torch.full((1, 10), float("-inf")), "verification")  # no token possible at all

@@ -46,8 +46,12 @@ __all__ = ["Decoder", "GenerationStats", "Prefill", "RoundContext", "check_lengt
 
 
 def check_finite(logits: torch.Tensor, what: str) -> None:
-    """The full model's logits must be finite: a NaN there is a broken model or input, not a bad draft."""
-    if not bool(torch.isfinite(logits).all()):
+    """The full model's logits must be usable: a NaN there is a broken model or input, not a bad draft.
+
+    Checked on each row's maximum, which a NaN anywhere in the row propagates to, as does +inf; a row of
+    -inf only has -inf as its maximum (a single -inf logit is a token with probability 0, not an error).
+    ``isfinite`` over all logits cost 2 ms for 8 rows of Gemma 3's 262k vocabulary, 11% of the verification."""
+    if not bool(torch.isfinite(logits.amax(-1)).all()):
         raise SelfspecError(
             f"the full model produced NaN or infinite logits during {what}; the model's weights or dtype are "
             "broken for this input (try dtype='float32')"
