@@ -5,21 +5,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from test_lookup import FlatProfile
 
 from selfspec.core.sampling import GREEDY_SAMPLER
 from selfspec.cost.economy import VerifyCurve
 from selfspec.drafters.suffix import NgramIndex, SessionStore, SuffixDrafter
 from selfspec.errors import InvalidInputError
-
-
-class FlatProfile:
-    """Verification over T tokens costs ``1 + slope * (T - 1)`` one-token steps."""
-
-    def __init__(self, slope: float) -> None:
-        self.slope = slope
-
-    def forward(self, tokens: int) -> float:
-        return 1.0 + self.slope * (tokens - 1)
 
 
 def drafter(slope: float = 0.02, **kw) -> SuffixDrafter:
