@@ -148,7 +148,7 @@ class VerifyCurve:
     """What a verification over T tokens costs next to a one-token round, as the rounds measure it.
 
     The profile's curve was timed at a 128-token context; at a long one every extra row's attention costs
-    more (SmolLM2 on a 450-token summary: a two-token round 1.28x a one-token one, the profile says 1.12x),
+    more (SmolLM2 after a 386-token article: a two-token round 1.28x a one-token one, the profile says 1.12x),
     so a draft priced with the profile alone can lose time.  Kept here: the running mean of a one-token
     round's ms, and the factor by which rounds of more tokens cost more than the profile says *beyond* one
     token; the profile keeps the curve's shape.
@@ -160,13 +160,11 @@ class VerifyCurve:
         self.profile, self.smoothing = profile, smoothing
         self.one_ms = profile.forward(1)
         self.slope = 1.0
-        self.rounds = 0
 
     def observe(self, tokens: int, verify_ms: float) -> None:
         """One round's verification over ``tokens`` tokens (root included) took ``verify_ms``."""
         if verify_ms <= 0:
             return
-        self.rounds += 1
         if tokens <= 1:
             self.one_ms = _ema(self.one_ms, verify_ms, self.smoothing)
             return
