@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import tiny_model
 
 from selfspec.core.skipset import SkipSet
@@ -157,3 +158,16 @@ def test_prompt_lookup_stops_drafting_where_verifications_turn_out_dear():
         d.observe(None, [0], tokens=1, round_ms=4.0, draft_ms=0.0, verify_ms=4.0)
         d._costs.observe(2, 6.0)  # but here a second token costs half a step
     assert propose() is None
+
+
+def test_verification_timings_cover_every_row():
+    """`selfspec kernels` sets a pass that keeps the last row's logits beside a verification (every row's
+    logits, checked, and their argmax): both are timed per T, and the verification returns one token per row."""
+    from selfspec.cost.costs import _verification, decode_step_ms
+
+    model = tiny_model("llama", seed=2)
+    for verify in (False, True):
+        times = decode_step_ms(model, rows=(1, 3), context=16, reps=2, verify=verify)
+        assert sorted(times) == [1, 3] and all(ms > 0 for ms in times.values())
+    cache = model.engine.new_cache(24)
+    assert _verification(model.engine, cache, torch.tensor([5, 6, 7]), 0).shape == (3,)
