@@ -222,10 +222,7 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
             ids = torch.tensor([gen.randrange(vocab) for _ in range(T)], device=engine.device)
             _sync(engine.device)
             t0 = time.perf_counter()
-            if name.startswith("T"):
-                _verification(engine, cache, ids, context)
-            else:
-                engine.forward(cache, ids, context, skip=skip, last_only=True, precision=dtype)
+            _profiled_pass(engine, cache, ids, context, verification=name.startswith("T"), skip=skip, dtype=dtype)
             _sync(engine.device)
             if rep:
                 times[name].append(1000 * (time.perf_counter() - t0))
@@ -274,6 +271,15 @@ def decode_step_ms(model, rows=(1, 2, 4, 8, 16), *, context: int = 128, reps: in
             times.append(1000 * (time.perf_counter() - t0))
         out[T] = statistics.median(times[1:])
     return out
+
+
+def _profiled_pass(engine, cache, ids: torch.Tensor, start: int, *, verification: bool, skip: SkipSet,
+                   dtype: torch.dtype | None) -> None:
+    """One timed pass of the profile: a verification (full model), or a one-token draft pass."""
+    if verification:
+        _verification(engine, cache, ids, start)
+    else:
+        engine.forward(cache, ids, start, skip=skip, last_only=True, precision=dtype)
 
 
 def _verification(engine, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
