@@ -39,6 +39,21 @@ PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens
 MIN_GAIN = 1.02  # draft only where the expected tokens per unit cost beat plain decoding by this much
 
 
+def ngram_sizes(min_ngram: int, max_ngram: int, method: str) -> tuple[int, ...]:
+    """The ladder's sizes from ``min_ngram`` up to ``max_ngram`` (which is always indexed)."""
+    if not 1 <= min_ngram <= max_ngram:
+        raise InvalidInputError(f"{method} needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+    ladder = {n for n in NGRAM_SIZES if n < max_ngram} | {max_ngram}
+    return tuple(sorted(n for n in ladder if n >= min_ngram))
+
+
+def smoothed_acceptance(n: int, accepted: float, drafted: float) -> float:
+    """Acceptance after n-gram matches of size n: what was observed, with the size's prior counted as
+    ``PRIOR_WEIGHT`` drafted tokens (a size off the ladder, max_ngram=5, takes the prior of the next below)."""
+    prior = PRIOR[max(k for k in PRIOR if k <= n)]
+    return (accepted + PRIOR_WEIGHT * prior) / (drafted + PRIOR_WEIGHT)
+
+
 class PromptLookupDrafter:
     """Drafts by n-gram lookup in the token history (see the module docstring)."""
 
@@ -46,13 +61,10 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 16, min_ngram: int = 1, max_draft: int = 10,
                  draft_length: int | None = None) -> None:  # fmt: skip
-        if not 1 <= min_ngram <= max_ngram:
-            raise InvalidInputError(f"pld needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         if max_draft < 1 or (draft_length is not None and draft_length < 1):
             raise InvalidInputError("pld: max_draft and draft_length must be at least 1")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        ladder = {n for n in NGRAM_SIZES if n < max_ngram} | {max_ngram}
-        self.sizes = tuple(sorted(n for n in ladder if n >= min_ngram))  # the n-gram sizes indexed
+        self.sizes = ngram_sizes(min_ngram, max_ngram, "pld")  # the n-gram sizes indexed
         self.max_draft = draft_length or max_draft
         self.fixed = draft_length
         self.max_nodes = 1 + self.max_draft
@@ -126,8 +138,7 @@ class PromptLookupDrafter:
 
     def acceptance(self, n: int) -> float:
         """Estimated chance that a token drafted after an n-gram match is accepted."""
-        prior = PRIOR[max(k for k in PRIOR if k <= n)]  # a size off the ladder (max_ngram=5): the next below
-        return (self._accepted[n] + PRIOR_WEIGHT * prior) / (self._drafted[n] + PRIOR_WEIGHT)
+        return smoothed_acceptance(n, self._accepted[n], self._drafted[n])
 
     def _gain(self, n: int, k: int) -> float:
         """Expected tokens per vanilla step of a k-token draft after an n-gram match (1: break-even)."""

@@ -34,7 +34,7 @@ from ..core.sampling import Sampler
 from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree
 from ..errors import InvalidInputError
-from .lookup import MIN_GAIN, NGRAM_SIZES, PRIOR, PRIOR_WEIGHT, PromptLookupDrafter
+from .lookup import MIN_GAIN, PromptLookupDrafter, ngram_sizes, smoothed_acceptance
 
 MAX_OCCURRENCES = 16  # continuations gathered per source (current text, store) for one match: the latest ones
 STORE_TOKENS = 16384  # default bound of the session's store of earlier outputs
@@ -120,15 +120,12 @@ class SuffixDrafter:
 
     def __init__(self, max_ngram: int = 16, min_ngram: int = 1, max_draft: int = 10, max_nodes: int = 16,
                  store_tokens: int = STORE_TOKENS) -> None:  # fmt: skip
-        if not 1 <= min_ngram <= max_ngram:
-            raise InvalidInputError(f"suffix needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.sizes = ngram_sizes(min_ngram, max_ngram, "suffix")
         if max_draft < 1 or max_nodes < 2:
             raise InvalidInputError("suffix: max_draft must be at least 1 and max_nodes at least 2")
         if store_tokens < 0:
             raise InvalidInputError(f"suffix: store_tokens must be >= 0, got {store_tokens}")
-        ladder = {n for n in NGRAM_SIZES if n < max_ngram} | {max_ngram}
-        self.sizes = tuple(sorted(n for n in ladder if n >= min_ngram))
-        self.max_ngram, self.max_draft, self.max_nodes = max_ngram, max_draft, max_nodes
+        self.max_draft, self.max_nodes = max_draft, max_nodes
         self.store = SessionStore(self.sizes, store_tokens)
         self._text = NgramIndex(self.sizes)
         self._prompt_len: int | None = None  # of the current generation, known at its first proposal
@@ -173,8 +170,8 @@ class SuffixDrafter:
                 break
         else:
             return None
-        tokens, parents, share = _trie(conts)
-        nodes, gain = self._select(n, parents, share, chain_only=sampler.records_q)
+        tokens, parents, kids, share = _trie(conts)
+        nodes, gain = self._select(n, kids, share, chain_only=sampler.records_q)
         if not nodes:
             return None
         self.last_gain = gain
@@ -226,17 +223,14 @@ class SuffixDrafter:
 
     def acceptance(self, n: int) -> float:
         """Estimated chance that a continuation seen after every occurrence of an n-gram is accepted."""
-        prior = PRIOR[max(k for k in PRIOR if k <= n)]
-        return min((self._accepted[n] + PRIOR_WEIGHT * prior) / (self._drafted[n] + PRIOR_WEIGHT), 0.99)
+        return min(smoothed_acceptance(n, self._accepted[n], self._drafted[n]), 0.99)
 
-    def _select(self, n: int, parents: list[int], share: list[float], *, chain_only: bool) -> tuple[list[int], float]:
+    def _select(self, n: int, kids: list[list[int]], share: list[float], *,
+                chain_only: bool) -> tuple[list[int], float]:  # fmt: skip
         """The trie's nodes to draft, most likely first (each after its parent), maximising expected tokens per
         unit of cost, and that ratio; no nodes where none beats plain decoding by ``MIN_GAIN``."""
         a, costs = self.acceptance(n), self._costs
-        kids: list[list[int]] = [[] for _ in parents]
-        for i in range(1, len(parents)):
-            kids[parents[i]].append(i)
-        chance = [1.0] * len(parents)  # the chance of each node being accepted
+        chance = [1.0] * len(kids)  # the chance of each node being accepted
         heap: list[tuple[float, int]] = []
 
         def offer(node: int) -> None:
@@ -261,9 +255,10 @@ class SuffixDrafter:
         return chosen[:best_len], best
 
 
-def _trie(conts: list[list[int]]) -> tuple[list[int], list[int], list[float]]:
+def _trie(conts: list[list[int]]) -> tuple[list[int], list[int], list[list[int]], list[float]]:
     """The continuations (each at most as long as a draft may be) merged into a trie: per node (0: the root)
-    its token, its parent and its share of the parent's count (how often it followed the parent)."""
+    its token, its parent, its children and its share of the parent's count (how often it followed the
+    parent)."""
     tokens, parents, counts = [-1], [-1], [0]
     children: list[dict[int, int]] = [{}]
     for cont in conts:
@@ -281,4 +276,4 @@ def _trie(conts: list[list[int]]) -> tuple[list[int], list[int], list[float]]:
             counts[nxt] += 1
             node = nxt
     share = [1.0] + [counts[i] / counts[parents[i]] for i in range(1, len(tokens))]
-    return tokens, parents, share
+    return tokens, parents, [list(kids.values()) for kids in children], share
