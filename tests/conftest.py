@@ -154,3 +154,13 @@ def hf_greedy(model: selfspec.Model, prompt_ids: list[int], max_new_tokens: int)
             temperature=None,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture
+def fp32_activations():
+    """Products of quantised weights keep float32 activations within the test (what the fp32-fidelity tests
+    check); the int8 mode has tests of its own (test_int8_kernels.py)."""
+    from selfspec.core.quant import activations
+
+    with activations("float32"):
+        yield

@@ -43,6 +43,7 @@ def fused_back_on(request):
             request.getfixturevalue(name).engine.fused_enabled = True
 
 
+@pytest.mark.usefixtures("fp32_activations")
 @pytest.mark.parametrize("prompt_len", [10, 40, 80])  # past Mistral's (24) and Gemma's (16) windows; 80: prompt kernel
 def test_fused_stack_computes_the_modules_model(qtiny, prompt_len):
     assert qtiny.engine.fused, qtiny.engine.fused_reason
@@ -76,6 +77,7 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len)
     assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
 
 
+@pytest.mark.usefixtures("fp32_activations")
 def test_the_fused_stack_measures_asds_sublayer_cosines_like_the_modules(qtiny):
     """ASD's prefill statistics come from the fused pass too (its prompt then shares vanilla's arithmetic):
     the same cosine per computed sublayer as the module path, NaN for skipped ones."""
@@ -113,6 +115,7 @@ def test_fp32_weights_keep_the_module_path(smollm2_fp32):
     assert "quantised" in smollm2_fp32.engine.fused_reason
 
 
+@pytest.mark.usefixtures("fp32_activations")
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_builtin_models_run_fused_and_agree_with_the_module_path(name, request):
     model = request.getfixturevalue(name)
@@ -133,6 +136,7 @@ def test_builtin_models_run_fused_and_agree_with_the_module_path(name, request):
     assert (out[True] - out[False]).abs().max().item() <= 1e-3 * out[False].abs().max().item()
 
 
+@pytest.mark.usefixtures("fp32_activations")
 def test_the_portable_c_path_computes_the_same_model(tmp_path):
     """CPUs without AVX-512 build the plain-C path of both files: same logits within rounding, rows still exact."""
     import ctypes

@@ -30,6 +30,9 @@ from selfspec.core.quant import (
 from selfspec.errors import InvalidInputError, SelfspecError
 from selfspec.model.models import BUILTINS, _builtin_gguf
 
+# these tests check the fp32-activation kernels against the dequantised model (int8: test_int8_kernels.py)
+pytestmark = pytest.mark.usefixtures("fp32_activations")
+
 # byte offsets of the fp16 fields of each block type (random bytes there could be NaN or inf)
 FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
                "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82]}  # fmt: skip

@@ -389,7 +389,15 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         from ..core.quant import format_products, measure_products, quantized_bytes
 
         bandwidth = read_bandwidth_gbs()
-        print(f"\nweights kept quantised ({model.quantization}): {quantized_bytes(model.hf) / 1e6:.0f} MB")
+        from ..core.quant import int8_activations, int8_kernels_available
+
+        held, read = quantized_bytes(model.hf), quantized_bytes(model.hf, read=True)
+        copies = f" (+{(held - read) / 1e6:.0f} MB interleaved copies for int8 products)" if held > read else ""
+        print(f"\nweights kept quantised ({model.quantization}): {read / 1e6:.0f} MB{copies}")
+        mode = ("int8 (llama.cpp's scheme: rows quantised in blocks of 32, VNNI dot products)"
+                if int8_activations() else "float32")
+        vnni = "has" if int8_kernels_available() else "lacks"
+        print(f"decoding products' activations: {mode}; this CPU {vnni} AVX512-VNNI (--activations to choose)")
         print(format_products(measure_products(model.hf), bandwidth))
         bound = _quantized_bound(model, bandwidth)["quantized_bound_ms"]
         print(f"weight-read bound of one decoding step (every quantised weight read once at {bandwidth:.1f} GB/s): "
@@ -418,7 +426,7 @@ def _quantized_bound(model, bandwidth_gbs: float | None = None) -> dict[str, flo
     from ..core.quant import quantized_bytes
 
     bandwidth_gbs = bandwidth_gbs or read_bandwidth_gbs()
-    nbytes = quantized_bytes(model.hf)
+    nbytes = quantized_bytes(model.hf, read=True)
     bound_ms = nbytes / bandwidth_gbs / 1e6
     return {"quantized_bytes": nbytes, "bandwidth_gbs": bandwidth_gbs, "quantized_bound_ms": bound_ms}
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .cache import KVCache
-from .quant import QuantLinear, native
+from .quant import QuantLinear, int8_activations, native
 from .skipset import SkipSet
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}
@@ -30,7 +30,8 @@ MAX_HEAD_DIM = 1024  # the C code's rotary scratch
 class _QMat(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_long), ("N", ctypes.c_long), ("K", ctypes.c_long), ("G", ctypes.c_long),
                 ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]  # fmt: skip
+                ("bias", ctypes.c_void_p), ("x16_codes", ctypes.c_void_p), ("x16_scale", ctypes.c_void_p),
+                ("x16_min", ctypes.c_void_p)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -69,11 +70,13 @@ class FusedLayer:
     rope_key: str  # which rotary table the layer uses
 
 
-def _qmat(linear: QuantLinear) -> _QMat:
+def _qmat(linear: QuantLinear, int8: bool) -> _QMat:
+    """The C struct of one product; with ``int8``, the weight's interleaved copy for int8 activations too."""
     w = linear.qweight
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    packed = (w.x16() if int8 else None) or (None, None, None)
     return _QMat(4 if w.fmt == "q4" else 8, w.out_features, w.in_features, w.group, w.codes.data_ptr(),
-                 w.scale.data_ptr(), ptr(w.minv), ptr(linear.bias))  # fmt: skip
+                 w.scale.data_ptr(), ptr(w.minv), ptr(linear.bias), *map(ptr, packed))  # fmt: skip
 
 
 def unsupported_reason(layer: FusedLayer) -> str | None:
@@ -101,8 +104,7 @@ class FusedStack:
         self._lib = lib if lib is not None else native()  # another build (tests: the portable C path)
         # the tensors the C structs point to must live as long as this object: contiguous fp32 norm weights
         self._keep: list[torch.Tensor] = []
-        structs = [self._struct(layer) for layer in layers]
-        self._structs = (_Layer * len(layers))(*structs)
+        self._describe(int8_activations())
         self._windows = sorted({layer.window for layer in layers}, key=lambda w: (w is not None, w or 0))
         self._rope_keys = sorted({layer.rope_key for layer in layers})
         self._window_of = np.array([self._windows.index(layer.window) for layer in layers])
@@ -110,9 +112,16 @@ class FusedStack:
         self._skip_flags: dict[SkipSet, np.ndarray] = {}
         fn = self._lib.selfspec_fused_layers
         fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                       ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+                       ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                       ctypes.c_int]  # fmt: skip
         fn.restype = ctypes.c_int
         self._fn = fn
+
+    def _describe(self, int8: bool) -> None:
+        """The C structs of every layer; with ``int8``, products take int8 activations (``int8_kernels.c``)."""
+        self.int8 = int8
+        self._keep.clear()
+        self._structs = (_Layer * len(self.layers))(*(self._struct(layer) for layer in self.layers))
 
     def _cosine_buffer(self, cosines: np.ndarray) -> int:
         if cosines.dtype != np.float32 or cosines.shape != (2 * len(self.layers),) or not cosines.flags.c_contiguous:
@@ -127,7 +136,7 @@ class FusedStack:
         return w.data_ptr()
 
     def _struct(self, layer: FusedLayer) -> _Layer:
-        q, k, v, o, gate, up, down = (_qmat(m) for m in layer.linears)
+        q, k, v, o, gate, up, down = (_qmat(m, self.int8) for m in layer.linears)
         return _Layer(q, k, v, o, gate, up, down, self._norm(layer.attn_in_norm), self._norm(layer.attn_out_norm),
                       self._norm(layer.mlp_in_norm), self._norm(layer.mlp_out_norm), self._norm(layer.q_norm),
                       self._norm(layer.k_norm), layer.eps, layer.norm_offset, layer.scaling, layer.n_heads,
@@ -154,6 +163,8 @@ class FusedStack:
         hidden states (attention of layer i at 2i, MLP at 2i+1; skipped sublayers keep their value).  ``prompt``:
         products of 65 rows or more take the blocked prompt kernel (``prompt_gemm.c``), whose rows differ from
         one-token rows in rounding; never for a pass whose rows are compared with one-token steps."""
+        if self.int8 != int8_activations():  # the process-wide mode changed since the structs were made
+            self._describe(not self.int8)
         h = h.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # written in place
         T = h.shape[1]
         if start + T > cache.capacity:
@@ -168,7 +179,8 @@ class FusedStack:
         io[:, 3:] = cache.buffer_pointers([(layer.n_kv, layer.head_dim) for layer in self.layers], torch.float32)
         status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
                           io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
-                          None if cosines is None else self._cosine_buffer(cosines), int(prompt))  # fmt: skip
+                          None if cosines is None else self._cosine_buffer(cosines), int(prompt),
+                          int(self.int8))  # fmt: skip
         if status != 0:
             raise MemoryError("the fused decoder could not allocate its scratch memory")
         return h

@@ -27,6 +27,11 @@ void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x, const
                            const float *scale, const float *minv, const float *bias, float *y);
 int selfspec_prompt_gemm_ws(int bits, long T, long N, long K, long G, const float *x, const void *codes,
                             const float *scale, const float *minv, const float *bias, float *y);
+long selfspec_qrows_bytes(long T, long K);
+void selfspec_quantize_rows_ws(long T, long K, const float *x, void *buf);
+void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t);
+void selfspec_linear_x16_ws(int bits, long T, long N, long K, long G, const void *buf, const uint8_t *codes,
+                            const float *scale, const float *minv, const float *bias, float *y);
 
 #define LANES 16
 
@@ -35,6 +40,8 @@ typedef struct {
     long N, K, G;
     const void *codes;
     const float *scale, *minv, *bias; /* minv, bias: NULL when absent */
+    const uint8_t *x16_codes;         /* int8_kernels.c's interleaved copy, or NULL (fp32 products only) */
+    const float *x16_scale, *x16_min;
 } qmat;
 
 typedef struct {
@@ -48,16 +55,25 @@ typedef struct {
 } layer_t;
 
 /* How a pass computes its products: bulk (the prompt, rows >= PROMPT_ROWS) takes prompt_gemm.c's blocked product,
- * every other pass the row kernels whose rows do not depend on T.  failed: set when scratch memory ran out. */
+ * every other pass the row kernels whose rows do not depend on T.  xq: scratch for the rows of x quantised to
+ * int8 (int8_kernels.c) when the pass's products take int8 activations, else NULL.  failed: set when scratch
+ * memory ran out. */
 typedef struct {
     int bulk;
+    void *xq;
     int *failed;
 } pass_t;
 
 #define PROMPT_ROWS 65
 
-/* This thread's share of y = x @ W.T (+ bias), inside the stack's parallel region; no barrier. */
+/* This thread's share of y = x @ W.T (+ bias), inside the stack's parallel region; no barrier.  When the pass
+ * takes int8 activations, ps->xq holds x quantised (quantize()) and weights with an x16 copy use it. */
 static void matmul(const qmat *m, long T, const float *x, float *y, const pass_t *ps) {
+    if (ps->xq && m->x16_codes) {
+        selfspec_linear_x16_ws((int)m->bits, T, m->N, m->K, m->G, ps->xq, m->x16_codes, m->x16_scale, m->x16_min,
+                               m->bias, y);
+        return;
+    }
     if (ps->bulk && T >= PROMPT_ROWS) {
         if (selfspec_prompt_gemm_ws((int)m->bits, T, m->N, m->K, m->G, x, m->codes, m->scale, m->minv, m->bias, y)) {
 #pragma omp atomic write
@@ -69,6 +85,17 @@ static void matmul(const qmat *m, long T, const float *x, float *y, const pass_t
         selfspec_linear_q4_ws(T, m->N, m->K, x, (const uint8_t *)m->codes, m->scale, m->minv, m->bias, y);
     else
         selfspec_linear_q8_ws(T, m->N, m->K, m->G, x, (const int8_t *)m->codes, m->scale, m->minv, m->bias, y);
+}
+
+/* x [T, K] quantised into ps->xq for the products that follow (a work-sharing loop and its barrier); nothing
+ * when the pass computes in fp32 */
+static void quantize(long T, long K, const float *x, const pass_t *ps) {
+    if (ps->xq) selfspec_quantize_rows_ws(T, K, x, ps->xq);
+}
+
+/* Row t of x [T, K] quantised into ps->xq, inside the loop that wrote it (saves a barrier) */
+static inline void quantize_row(long T, long K, long t, const float *x_t, const pass_t *ps) {
+    if (ps->xq) selfspec_quantize_row_into(ps->xq, T, K, t, x_t);
 }
 
 /* Sums over LANES partial sums (element i of a vector in lane i % LANES), the lanes then added pairwise in
@@ -341,7 +368,10 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
     const long H = L->hidden, nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
 #pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) rmsnorm(h + t * H, L->attn_in_norm, off, eps, H, x + t * H);
+    for (long t = 0; t < T; t++) {
+        rmsnorm(h + t * H, L->attn_in_norm, off, eps, H, x + t * H);
+        quantize_row(T, H, t, x + t * H, ps);
+    }
     matmul(&L->q, T, x, q, ps);
     matmul(&L->k, T, x, k, ps);
     matmul(&L->v, T, x, v, ps);
@@ -370,6 +400,7 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
         attend_row(q + (t * nh + hh) * hd, io->k + g * cap * hd, io->v + g * cap * hd, hd, visible, allow,
                    (float)L->scaling, list, p, a + (t * nh + hh) * hd);
     }
+    quantize(T, nh * hd, a, ps);
     matmul(&L->o, T, a, o, ps);
 #pragma omp barrier
     add_residual(L->attn_out_norm, off, eps, T, H, o, h, cos, slot);
@@ -380,12 +411,18 @@ static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf,
     const long H = L->hidden, I = L->inter;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
 #pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) rmsnorm(h + t * H, L->mlp_in_norm, off, eps, H, x + t * H);
+    for (long t = 0; t < T; t++) {
+        rmsnorm(h + t * H, L->mlp_in_norm, off, eps, H, x + t * H);
+        quantize_row(T, H, t, x + t * H, ps);
+    }
     matmul(&L->gate, T, x, gbuf, ps);
     matmul(&L->up, T, x, ubuf, ps);
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) activation(L->act, gbuf + t * I, ubuf + t * I, I);
+    for (long t = 0; t < T; t++) {
+        activation(L->act, gbuf + t * I, ubuf + t * I, I);
+        quantize_row(T, I, t, gbuf + t * I, ps);
+    }
     matmul(&L->down, T, gbuf, o, ps);
 #pragma omp barrier
     add_residual(L->mlp_out_norm, off, eps, T, H, o, h, cos, slot);
@@ -396,9 +433,10 @@ static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf,
  * [start, start + T) of caches with `cap` slots.  cosine_out: NULL, or [2n] that receives each computed
  * sublayer's mean cosine of input and output (skipped ones are left as they are).  bulk: the prompt's pass,
  * whose products of PROMPT_ROWS rows or more take prompt_gemm.c (0: every product in the T-independent row
- * kernels).  Returns 0, or -1 when scratch memory is unavailable. */
+ * kernels).  int8: products of weights with an x16 copy take int8 activations (int8_kernels.c), except in a
+ * bulk pass's prompt kernel.  Returns 0, or -1 when scratch memory is unavailable. */
 int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
-                          long start, long cap, float *h, float *cosine_out, int bulk) {
+                          long start, long cap, float *h, float *cosine_out, int bulk, int int8) {
     long width = 0, inter = 0;
     for (long i = 0; i < n; i++) {
         const layer_t *L = layers + i;
@@ -416,8 +454,14 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
     const cosines cos = {cosine_out ? buf + T * (6 * width + 2 * inter) : NULL, cosine_out};
     float *x = buf, *q = x + T * width, *k = q + T * width, *v = k + T * width, *a = v + T * width;
     float *o = a + T * width, *g = o + T * width, *u = g + T * inter;
+    void *xq = NULL;
+    if (int8 && !(bulk && T >= PROMPT_ROWS) &&
+        posix_memalign(&xq, 64, (size_t)selfspec_qrows_bytes(T, width > inter ? width : inter))) {
+        free(buf);
+        return -1;
+    }
     int failed = 0;
-    const pass_t ps = {bulk, &failed};
+    const pass_t ps = {bulk, xq, &failed};
 #pragma omp parallel
     {
         long *list = malloc((start + T) * sizeof(long));
@@ -436,6 +480,7 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
         free(p);
     }
     free(buf);
+    free(xq);
     return failed ? -1 : 0;
 }
 

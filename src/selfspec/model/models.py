@@ -176,7 +176,7 @@ class Model:
 
 
 def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float32", kernels: str = "auto",
-         quantize: str = "auto", prefill_dtype: str | None = None) -> Model:
+         quantize: str = "auto", prefill_dtype: str | None = None, activations: str | None = None) -> Model:
     """Load a built-in model name, a local HF directory, a local ``.gguf`` file or a hub id.
 
     ``kernels="auto"`` computes the linear products with the kernels measured fastest on this machine
@@ -185,12 +185,17 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
     loads other models in ``dtype``; ``"none"`` dequantises a GGUF to ``dtype``; ``"int8"``/``"int4"``
     quantise the linear layers (weight-only, groups of 32) of any model.  ``prefill_dtype`` (process-wide;
     quantised weights only): ``"float32"`` (default) or ``"bfloat16"``, see
-    :func:`selfspec.core.quant.prefill_dtype`."""
-    if prefill_dtype is not None:
-        from ..core.quant import set_prefill_dtype
+    :func:`selfspec.core.quant.prefill_dtype`; ``activations`` (process-wide; quantised weights only): ``"auto"``
+    (default: int8 where the CPU has AVX512-VNNI), ``"int8"`` or ``"float32"``, see
+    :func:`selfspec.core.quant.int8_activations`."""
+    if prefill_dtype is not None or activations is not None:
+        from ..core.quant import set_activations, set_prefill_dtype
 
         try:
-            set_prefill_dtype(prefill_dtype)
+            if prefill_dtype is not None:
+                set_prefill_dtype(prefill_dtype)
+            if activations is not None:
+                set_activations(activations)
         except SelfspecError as exc:
             raise InvalidInputError(str(exc)) from None
     torch_dtype = _parse_dtype(dtype)

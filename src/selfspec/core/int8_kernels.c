@@ -1,0 +1,265 @@
+/* selfspec's int8-activation products of quantised weights (see quant.py: `activations`, and pack_x16 there).
+ *
+ * The fp32 row kernels of quant_kernels.c decode every weight to fp32 and spend one fused multiply-add per weight
+ * and row of x: on a 2-core machine a product of 4-16 rows is bound by that arithmetic, not by reading the
+ * weights, so each extra drafted token cost almost as much to verify as the first.  Here, as in llama.cpp's
+ * CPU kernels, each row of x is first quantised to int8 in blocks of 32 (scale = max|x| / 127, round to
+ * nearest even), and the weights' integer codes meet it in VNNI dot products (vpdpbusd: 64 byte products per
+ * instruction, four times the lanes of an fp32 multiply-add).
+ *
+ * Weights are interleaved for it ("x16"): 16 output rows side by side, so one dot product instruction yields 4
+ * consecutive k of all 16 rows and no horizontal sum is ever needed.  For a block of 16 rows and a group of G
+ * weights (G = 32 for q4, 16 or 32 for q8), the codes are G / 4 groups of 64 bytes, byte 4r + i of group j
+ * holding code k = 4j + i of row r; q4 packs k = 4j + i in the low nibble and k = 16 + 4j + i in the high
+ * nibble of the same byte (exactly the bytes of quant.py's q4 form, reordered), q8 stores code + 128 as an
+ * unsigned byte.  Per group and row: scale d and minimum m with w = d * code + m (q8: m already includes
+ * -128 d).  A row's product is then  sum_g  d_g * dx_g * sum_k(code * xq)  +  m_g * dx_g * sum_k(xq).
+ *
+ * Row independence (what keeps speculative decoding token-identical): a row of x is quantised on its own, its
+ * integer sums are exact, and its float operations run in the same order whatever the number of rows T in
+ * the call.  The portable C path performs the same operations (fmaf where the vector code fuses).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SELFSPEC_VNNI 1
+#include <immintrin.h>
+#endif
+
+/* 1 when the products below use VNNI instructions (the default activations on this machine), 0 for the
+ * portable loops (exact, but slower than the fp32 kernels) */
+int selfspec_int8_kernels(void) {
+#ifdef SELFSPEC_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One row of x [K] to int8 codes xq [K], block scales dx [K/32], and dx * (sum of the codes) per 16 (ds16) and
+ * per 32 (ds32) elements: the minimum's term of a q8 group of 16 or of any group of 32.  A block holding a NaN
+ * gets a NaN scale and an infinite one a NaN product, so the products' outputs stay non-finite, as in fp32. */
+void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float *ds16, float *ds32) {
+#ifdef SELFSPEC_VNNI
+    /* the same numbers as the loop below: max is exact, vcvtps2dq rounds half to even under the default mode */
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (long b = 0; b < K / 32; b++) {
+        const __m512 a0 = _mm512_loadu_ps(x + b * 32), a1 = _mm512_loadu_ps(x + b * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a0), _mm512_andnot_ps(sign, a1)));
+        const int nan = _mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q);
+        const float d = nan ? NAN : amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(inv)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+        const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+        dx[b] = d;
+        ds16[2 * b] = d * (float)s0;
+        ds16[2 * b + 1] = d * (float)s1;
+        ds32[b] = d * (float)(s0 + s1);
+    }
+    return;
+#endif
+    for (long b = 0; b < K / 32; b++) {
+        const float *p = x + b * 32;
+        float amax = 0.0f;
+        int nan = 0;
+        for (int i = 0; i < 32; i++) {
+            amax = fmaxf(amax, fabsf(p[i]));
+            nan |= isnan(p[i]);
+        }
+        const float d = nan ? NAN : amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum[2] = {0, 0};
+        for (int i = 0; i < 32; i++) {
+            const int q = (int)nearbyintf(p[i] * inv); /* round half to even, as vcvtps2dq */
+            xq[b * 32 + i] = (int8_t)q;
+            sum[i >> 4] += q;
+        }
+        dx[b] = d;
+        ds16[2 * b] = d * (float)sum[0];
+        ds16[2 * b + 1] = d * (float)sum[1];
+        ds32[b] = d * (float)(sum[0] + sum[1]);
+    }
+}
+
+/* Rows of x quantised, as the products read them */
+typedef struct {
+    const int8_t *q;
+    const float *dx, *ds16, *ds32;
+} qrows;
+
+#ifdef SELFSPEC_VNNI
+/* NB (1..8) rows of x against one block of 16 output rows; y [t * ldy + r] for r < 16.  BITS and G are
+ * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: the rows' codes [t * K] and block scales
+ * [t * K/32]; ds: dx * code sums per weight group [t * K/G]. */
+static inline __attribute__((always_inline)) void block_vnni(const int NB, const int BITS, const long G, long K,
+                                                             const int8_t *xq, const float *dx, const float *ds,
+                                                             const uint8_t *codes, const float *scale,
+                                                             const float *minv, const float *bias, float *y,
+                                                             long ldy) {
+    const long groups = K / G;
+    __m512 acc[8];
+    for (int t = 0; t < NB; t++) acc[t] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    for (long g = 0; g < groups; g++) {
+        __m512i w[8];
+        if (BITS == 4) {
+            const uint8_t *c = codes + g * 256;
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(c + 64 * j);
+                w[j] = _mm512_and_si512(v, low);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            const uint8_t *c = codes + g * G * 16;
+            for (int j = 0; j < G / 4; j++) w[j] = _mm512_loadu_si512(c + 64 * j);
+        }
+        const __m512 dv = _mm512_loadu_ps(scale + g * 16), mv = _mm512_loadu_ps(minv + g * 16);
+        for (int t = 0; t < NB; t++) {
+            const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
+            __m512i s = _mm512_setzero_si512();
+            for (int j = 0; j < G / 4; j++) s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(xg[j]));
+            const __m512 d = _mm512_mul_ps(dv, _mm512_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[t]);
+            acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ds[t * groups + g]), acc[t]);
+        }
+    }
+    for (int t = 0; t < NB; t++) {
+        __m512 r = acc[t];
+        if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias));
+        _mm512_storeu_ps(y + t * ldy, r);
+    }
+}
+
+/* rows t0.. of x (NB of them) against one block, for one (BITS, G) */
+#define BLOCK(NB, BITS, G) \
+    block_vnni(NB, BITS, G, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
+               ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, y + t0 * N, N)
+
+/* All T rows of x against one block of 16 output rows, in runs of up to 8 rows */
+#define BLOCK_ROWS(BITS, G)                                                  \
+    do {                                                                     \
+        long t0 = 0;                                                         \
+        for (; t0 + 8 <= T; t0 += 8) BLOCK(8, BITS, G);                      \
+        switch (T - t0) {                                                    \
+            case 7: BLOCK(7, BITS, G); break;                                \
+            case 6: BLOCK(6, BITS, G); break;                                \
+            case 5: BLOCK(5, BITS, G); break;                                \
+            case 4: BLOCK(4, BITS, G); break;                                \
+            case 3: BLOCK(3, BITS, G); break;                                \
+            case 2: BLOCK(2, BITS, G); break;                                \
+            case 1: BLOCK(1, BITS, G); break;                                \
+            default: break;                                                  \
+        }                                                                    \
+    } while (0)
+#endif
+
+/* The portable form of the same arithmetic (one row of x at a time) */
+static void block_portable(int bits, long K, long G, const int8_t *xq, const float *dx, const float *ds16,
+                           const float *ds32, const uint8_t *codes, const float *scale, const float *minv,
+                           const float *bias, float *y) {
+    float acc[16] = {0};
+    for (long g = 0; g < K / G; g++) {
+        int32_t s[16] = {0};
+        for (long j = 0; j < G / 4; j++)
+            for (int r = 0; r < 16; r++)
+                for (int i = 0; i < 4; i++) {
+                    const long k = 4 * j + i; /* element of the group */
+                    int code;
+                    if (bits == 4) {
+                        const uint8_t byte = codes[g * 256 + (j & 3) * 64 + 4 * r + i];
+                        code = j < 4 ? byte & 15 : byte >> 4;
+                    } else {
+                        code = codes[g * G * 16 + j * 64 + 4 * r + i];
+                    }
+                    s[r] += code * xq[g * G + k];
+                }
+        const float dxg = dx[(g * G) / 32], dsg = G == 32 ? ds32[g] : ds16[g];
+        for (int r = 0; r < 16; r++) {
+            acc[r] = fmaf((float)s[r], scale[g * 16 + r] * dxg, acc[r]);
+            acc[r] = fmaf(minv[g * 16 + r], dsg, acc[r]);
+        }
+    }
+    for (int r = 0; r < 16; r++) y[r] = bias ? acc[r] + bias[r] : acc[r];
+}
+
+/* This thread's share of y [T, N] = x @ W.T (+ bias) for an x16 weight W [N, K] (N a multiple of 16), x already
+ * quantised; inside a parallel region that every thread enters, no barrier at the end. */
+static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows *x, const uint8_t *codes,
+                          const float *scale, const float *minv, const float *bias, float *y) {
+    const long groups = K / G, block_bytes = bits == 4 ? groups * 256 : K * 16;
+#pragma omp for schedule(static) nowait
+    for (long nb = 0; nb < N / 16; nb++) {
+        const uint8_t *c = codes + nb * block_bytes;
+        const float *s = scale + nb * groups * 16, *m = minv + nb * groups * 16;
+        const float *bb = bias ? bias + nb * 16 : NULL;
+#ifdef SELFSPEC_VNNI
+        float *yb = y + nb * 16;
+        {
+            float *y = yb; /* BLOCK writes rows of y from this block's first column */
+            if (bits == 4)
+                BLOCK_ROWS(4, 32);
+            else if (G == 32)
+                BLOCK_ROWS(8, 32);
+            else
+                BLOCK_ROWS(8, 16);
+        }
+#else
+        for (long t = 0; t < T; t++)
+            block_portable(bits, K, G, x->q + t * K, x->dx + t * (K / 32), x->ds16 + t * (K / 16),
+                           x->ds32 + t * (K / 32), c, s, m, bb, y + t * N + nb * 16);
+#endif
+    }
+}
+
+/* Scratch for T quantised rows of K: xq, then dx, ds16, ds32 (floats) */
+static long qrows_bytes(long T, long K) { return T * K + T * (K / 32 + K / 16 + K / 32) * (long)sizeof(float); }
+
+static qrows qrows_at(void *buf, long T, long K) {
+    float *f = (float *)((char *)buf + ((T * K + 63) / 64) * 64);
+    const qrows r = {(const int8_t *)buf, f, f + T * (K / 32), f + T * (K / 32 + K / 16)};
+    return r;
+}
+
+/* Size of the scratch selfspec_quantize_rows_ws fills (rounded up to 64-byte lines) */
+long selfspec_qrows_bytes(long T, long K) { return ((qrows_bytes(T, K) + 63) / 64 + 1) * 64; }
+
+/* This thread's share of quantising x [T, K] into buf (selfspec_qrows_bytes(T, K) bytes); a work-sharing loop
+ * with its closing barrier */
+void selfspec_quantize_rows_ws(long T, long K, const float *x, void *buf) {
+    const qrows r = qrows_at(buf, T, K);
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++)
+        selfspec_quantize_row(K, x + t * K, (int8_t *)r.q + t * K, (float *)r.dx + t * (K / 32),
+                              (float *)r.ds16 + t * (K / 16), (float *)r.ds32 + t * (K / 32));
+}
+
+/* Row t of x (x_t [K]) quantised into buf, as selfspec_quantize_rows_ws does it for all rows (one thread) */
+void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t) {
+    const qrows r = qrows_at(buf, T, K);
+    selfspec_quantize_row(K, x_t, (int8_t *)r.q + t * K, (float *)r.dx + t * (K / 32), (float *)r.ds16 + t * (K / 16),
+                          (float *)r.ds32 + t * (K / 32));
+}
+
+/* y [T, N] = x @ W.T (+ bias) from rows already quantised into buf by selfspec_quantize_rows_ws (the fused stack) */
+void selfspec_linear_x16_ws(int bits, long T, long N, long K, long G, const void *buf, const uint8_t *codes,
+                            const float *scale, const float *minv, const float *bias, float *y) {
+    const qrows r = qrows_at((void *)buf, T, K);
+    linear_x16_ws(bits, T, N, K, G, &r, codes, scale, minv, bias, y);
+}
+
+/* y [T, N] = x [T, K] @ W.T (+ bias) for an x16 weight, x in fp32.  Returns 0, or -1 without scratch memory. */
+int selfspec_linear_x16(int bits, long T, long N, long K, long G, const float *x, const uint8_t *codes,
+                        const float *scale, const float *minv, const float *bias, float *y) {
+    void *buf = NULL;
+    if (posix_memalign(&buf, 64, (size_t)selfspec_qrows_bytes(T, K))) return -1;
+#pragma omp parallel if (T * N * K > (1L << 16))
+    {
+        selfspec_quantize_rows_ws(T, K, x, buf);
+        selfspec_linear_x16_ws(bits, T, N, K, G, buf, codes, scale, minv, bias, y);
+    }
+    free(buf);
+    return 0;
+}

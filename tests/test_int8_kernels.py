@@ -1,0 +1,148 @@
+"""int8-activation products of quantised weights (int8_kernels.c): accuracy against the dequantised weight,
+row independence (what keeps speculative decoding lossless), the portable C path computing the very same
+numbers, non-finite activations staying visible, and the process-wide switch reaching the fused stack."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+from test_quant import random_blocks
+
+from selfspec.core import quant
+from selfspec.core.quant import CFLAGS, SOURCES, activations, from_gguf, int8_kernels_available, pack_x16
+from selfspec.errors import SelfspecError
+
+KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0"]  # q4 and q8 forms; Q6_K: groups of 16
+
+
+@pytest.fixture
+def int8_activations():
+    with activations("int8"):
+        yield
+
+
+@pytest.mark.usefixtures("int8_activations")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_int8_products_match_the_dequantised_weight_within_activation_rounding(kind, rows):
+    qw = from_gguf(kind, random_blocks(kind, 96, 768, seed=rows), 96, 768)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ qw.dequantize().double().T
+    got = qw.matmul(x).double()
+    scale = float(ref.abs().max())
+    # activations rounded to 8 bits per block of 32: errors of a few tenths of a percent of the largest output
+    assert float((got - ref).abs().max()) <= 2e-2 * scale
+    assert float((got - ref).abs().mean()) <= 5e-3 * scale
+    with activations("float32"):  # the other mode is still there, and exact
+        exact = qw.matmul(x).double()
+    assert torch.allclose(exact, ref, rtol=1e-5, atol=1e-5 * scale)
+    assert not torch.equal(exact, got)  # the int8 path really ran
+
+
+@pytest.mark.usefixtures("int8_activations")
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
+def test_an_int8_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind):
+    qw = from_gguf(kind, random_blocks(kind, 64, 768), 64, 768)
+    x = torch.randn(13, 768, generator=torch.Generator().manual_seed(2))
+    together = qw.matmul(x)
+    for i in range(13):
+        assert torch.equal(qw.matmul(x[i : i + 1].contiguous())[0], together[i])
+    for lo, hi in ((0, 5), (5, 11), (11, 13)):
+        assert torch.equal(qw.matmul(x[lo:hi].contiguous()), together[lo:hi])
+
+
+@pytest.mark.usefixtures("int8_activations")
+def test_weights_whose_rows_are_not_a_multiple_of_16_keep_fp32_products():
+    qw = from_gguf("Q8_0", random_blocks("Q8_0", 37, 256), 37, 256)
+    assert qw.x16() is None
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    ref = x.double() @ qw.dequantize().double().T
+    assert torch.allclose(qw.matmul(x).double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.usefixtures("int8_activations")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_activations_give_non_finite_outputs(bad):
+    """A NaN would vanish in rounding to int8; the block's scale carries it instead, as fp32 products would."""
+    qw = from_gguf("Q4_1", random_blocks("Q4_1", 32, 256), 32, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
+    x[1, 100] = bad
+    y = qw.matmul(x)
+    assert torch.isfinite(y[0]).all()
+    assert not torch.isfinite(y[1]).any()
+
+
+def test_x16_packing_keeps_every_code_scale_and_minimum():
+    """The interleaved copy holds the same weight: decode it by its layout (int8_kernels.c's header)."""
+    for kind in ("Q4_1", "Q6_K", "Q8_0"):
+        qw = from_gguf(kind, random_blocks(kind, 32, 256), 32, 256)
+        codes, scale, minv = pack_x16(qw)
+        g = qw.group
+        groups = 256 // g
+        raw = codes.numpy().reshape(2, groups, g // 4 if qw.fmt == "q8" else 4, 16, 4)
+        w = torch.empty(32, 256, dtype=torch.float64)
+        for n in range(32):
+            nb, r = divmod(n, 16)
+            for k in range(256):
+                gi, e = divmod(k, g)
+                if qw.fmt == "q4":
+                    byte = int(raw[nb, gi, (e % 16) // 4, r, e % 4])
+                    code = byte & 15 if e < 16 else byte >> 4
+                else:
+                    code = int(raw[nb, gi, e // 4, r, e % 4])
+                w[n, k] = float(scale[nb, gi, r]) * code + float(minv[nb, gi, r])
+        assert torch.allclose(w, qw.dequantize().double(), atol=1e-6), kind
+
+
+def test_an_unknown_activation_mode_is_a_clear_error():
+    with pytest.raises(SelfspecError, match="activations must be one of"):
+        quant.set_activations("int4")
+
+
+@pytest.mark.skipif(not int8_kernels_available(), reason="needs a CPU with AVX512-VNNI")
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 with gcc only")
+def test_the_portable_int8_path_computes_the_same_numbers_as_vnni(tmp_path):
+    """CPUs without VNNI (asked for int8 explicitly) get bit-identical products from the plain C loops."""
+    lib_path = tmp_path / "portable.so"
+    subprocess.run(["gcc", *CFLAGS, "-mno-avx512f", "-o", str(lib_path), *map(str, SOURCES), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.selfspec_int8_kernels() == 0
+    with activations("int8"):
+        for kind in ("Q4_K", "Q8_0", "Q6_K"):
+            qw = from_gguf(kind, random_blocks(kind, 48, 512, seed=4), 48, 512)
+            x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
+            y = torch.empty(5, 48)
+            codes, scale, minv = qw.x16()
+            p = ctypes.c_void_p
+            status = lib.selfspec_linear_x16(ctypes.c_int(4 if qw.fmt == "q4" else 8), ctypes.c_long(5),
+                                             ctypes.c_long(48), ctypes.c_long(512), ctypes.c_long(qw.group),
+                                             p(x.data_ptr()), p(codes.data_ptr()), p(scale.data_ptr()),
+                                             p(minv.data_ptr()), None, p(y.data_ptr()))  # fmt: skip
+            assert status == 0
+            assert torch.equal(y, qw.matmul(x)), kind
+
+
+def test_the_fused_stack_follows_the_activation_mode(smollm2):
+    """Switching the mode switches every product of the engine, the fused stack's included: the logits move by
+    activation rounding only, and one-token steps still equal a chain's rows bit for bit in each mode."""
+    engine = smollm2.engine
+    ids = torch.tensor(smollm2.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"])
+    new = torch.tensor(smollm2.tokenizer(" and then the cat")["input_ids"][:3])
+    out = {}
+    for mode in ("float32", "int8"):
+        with activations(mode):
+            cache = engine.new_cache(64)
+            engine.forward(cache, ids, 0, prefill=True, last_only=True)
+            chain = engine.forward(cache, new, len(ids))
+            cache = engine.new_cache(64)
+            engine.forward(cache, ids, 0, prefill=True, last_only=True)
+            steps = [engine.forward(cache, new[i : i + 1], len(ids) + i)[0] for i in range(len(new))]
+            assert all(torch.equal(chain[i], steps[i]) for i in range(len(new))), mode
+            out[mode] = chain
+    assert not torch.equal(out["float32"], out["int8"])
+    assert (out["float32"] - out["int8"]).abs().max() <= 0.05 * out["float32"].abs().max()
