@@ -94,3 +94,22 @@ def test_layer_skip_drafts_are_proposed_and_accepted_with_the_draft_vocabulary(s
     out = selfspec.generate(smollm2, prompt, method="static", skip_set=skips, max_new_tokens=32)
     assert out.token_ids == ref.token_ids
     assert out.stats.drafted > 0 and out.stats.accepted > 0
+
+
+def test_int8_subset_rows_score_as_the_int8_full_head_does():
+    """Under int8 activations the subset keeps an interleaved copy, updated as ids join and rebuilt as it grows:
+    its rows score bit for bit as the full head's int8 product does."""
+    from selfspec.core.quant import activations
+
+    head = quantize_weight(torch.randn(3008, 64, generator=torch.Generator().manual_seed(0)), 8)
+    vocab = DraftVocabulary(head, base=100)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    with activations("int8"):
+        full = head.matmul(x)
+        assert torch.equal(vocab.product(x), full[:, vocab.ids[: vocab.size]])
+        vocab.add(torch.tensor([2500, 1999, 3001]))  # into the copy made by the first product
+        assert torch.equal(vocab.product(x), full[:, vocab.ids[: vocab.size]])
+        vocab.add(torch.arange(400, 700))  # past the allocation: the copy is remade
+        assert torch.equal(vocab.product(x), full[:, vocab.ids[: vocab.size]])
+    with activations("float32"):
+        assert not torch.equal(head.matmul(x), full)

@@ -10,11 +10,21 @@ import pytest
 from conftest import hf_greedy
 
 import selfspec
+from selfspec.core.quant import activations
 from selfspec.datasets import load_prompts
 
 pytestmark = pytest.mark.slow
 
 NEW = 48
+
+
+def assert_vanilla_is_transformers(model, prompt, ids, new: int) -> None:
+    """Our vanilla decoding gives transformers' ``generate`` tokens, with fp32 activations: under int8 ones
+    (the default here) the two paths' last-bit differences in norms and attention flip some roundings to int8,
+    and their logits part by a few percent (test_int8_kernels.py), so that comparison checks nothing."""
+    with activations("float32"):
+        out = selfspec.generate(model, prompt, "vanilla", max_new_tokens=new)
+        assert list(out.token_ids) == hf_greedy(model, ids, new)
 
 
 def _prompts(chat: bool):
@@ -38,8 +48,8 @@ METHODS = [
 @pytest.mark.parametrize("item", _prompts(chat=True), ids=lambda p: p.task)
 def test_smollm2_all_methods_identical(smollm2, item):
     ids = smollm2.encode(item.prompt)
+    assert_vanilla_is_transformers(smollm2, item.prompt, ids, NEW)
     base = selfspec.generate(smollm2, item.prompt, "vanilla", max_new_tokens=NEW)
-    assert list(base.token_ids) == hf_greedy(smollm2, ids, NEW)
     for method, options in METHODS:
         out = selfspec.generate(smollm2, item.prompt, method, max_new_tokens=NEW, **options)
         assert out.token_ids == base.token_ids, (method, options)
@@ -52,8 +62,8 @@ def test_gemma3_long_prompt_all_methods_identical(gemma3):
     item = max(items, key=lambda p: len(p.prompt))
     ids = gemma3.encode(item.prompt)
     assert len(ids) > 600
+    assert_vanilla_is_transformers(gemma3, item.prompt, ids, 32)
     base = selfspec.generate(gemma3, item.prompt, "vanilla", max_new_tokens=32)
-    assert list(base.token_ids) == hf_greedy(gemma3, ids, 32)
     for method, options in [("asd", {}), ("static", {"skip_set": {"attention": [2, 5, 8, 11], "mlp": [3, 9]}}),
                             ("pld", {"draft_length": 4})]:  # fmt: skip
         out = selfspec.generate(gemma3, item.prompt, method, max_new_tokens=32, **options)
@@ -62,8 +72,8 @@ def test_gemma3_long_prompt_all_methods_identical(gemma3):
 
 def test_gemma3_short_code_prompt(gemma3):
     item = load_prompts("humaneval", limit=1, chat=False)[0]
+    assert_vanilla_is_transformers(gemma3, item.prompt, gemma3.encode(item.prompt), 32)
     base = selfspec.generate(gemma3, item.prompt, "vanilla", max_new_tokens=32)
-    assert list(base.token_ids) == hf_greedy(gemma3, gemma3.encode(item.prompt), 32)
     out = selfspec.generate(gemma3, item.prompt, "asd", max_new_tokens=32, alpha=0.995)
     assert out.token_ids == base.token_ids
 
@@ -97,6 +107,7 @@ def test_gemma3_swift_long_prompt_identical(gemma3):
         assert out.token_ids == base.token_ids
 
 
+@pytest.mark.usefixtures("fp32_activations")  # the reference enumerates with transformers' forward (see above)
 def test_smollm2_sampling_is_exact(smollm2):
     """SWIFT (rejection scheme) with fp16 drafts and cost-aware token trees samples the real model's
     distribution of its first three tokens (top-k 3: 27 outcomes, enumerated with transformers), by

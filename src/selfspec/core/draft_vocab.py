@@ -13,7 +13,10 @@ then every token the full model is fed (the prompt, and each verified token as i
 committed), since text reuses its tokens (Gemma 3, whose ids are not frequency-ordered: ids
 below 16k cover 62% of its generated tokens, with the tokens seen before 93%).  Draft passes
 compute logits for those rows only; the rest are -inf.  Only quantised heads take this path
-(see ``Engine``); ``SELFSPEC_DRAFT_VOCAB=0`` switches it off.
+(see ``Engine``); ``SELFSPEC_DRAFT_VOCAB=0`` switches it off.  Under int8 activations
+(:func:`~selfspec.core.quant.int8_activations`) the subset keeps an interleaved copy too and scores
+with the head's own int8 products, so a draft's logit of a token is the full model's whenever the
+draft skips nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 
 import torch
 
-from .quant import QuantWeight, native
+from .quant import QuantWeight, int8_activations, native, pack_x16
 
 DRAFT_VOCAB_ENV = "SELFSPEC_DRAFT_VOCAB"
 BASE_ROWS = 16384  # the lowest ids every draft scores
@@ -45,17 +48,20 @@ class DraftVocabulary:
         self._known = bytearray(self.vocab_size)  # the same membership, cheap to test from Python per token
         self.size = self.capacity = 0
         self.ids = self._codes = self._scale = self._minv = None
+        self._x16: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # made on first int8 product
         self._allocate(min(self.limit, base + base // 2))
         self.add(torch.arange(min(base, self.vocab_size)))
 
     def _allocate(self, rows: int) -> None:
-        """Room for ``rows`` rows, keeping the ones copied so far (the subset grows by doubling)."""
+        """Room for ``rows`` rows (rounded up to whole blocks of 16, zero beyond the subset), keeping the ones
+        copied so far (the subset grows by doubling)."""
         head, n = self.head, self.size
+        rows = -(-rows // 16) * 16
 
         def grown(old: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
             if like is None:
                 return None
-            new = torch.empty((rows, *like.shape[1:]), dtype=like.dtype)
+            new = torch.zeros((rows, *like.shape[1:]), dtype=like.dtype)
             if old is not None and n:
                 new[:n] = old[:n]
             return new
@@ -65,11 +71,30 @@ class DraftVocabulary:
         self._scale = grown(self._scale, head.scale)
         self._minv = grown(self._minv, head.minv)
         self.capacity = rows
+        self._x16 = None  # remade from the row copies on the next int8 product
 
     @property
     def nbytes(self) -> int:
-        """Memory held by the copied rows (the allocated capacity)."""
-        return sum(t.numel() * t.element_size() for t in (self._codes, self._scale, self._minv) if t is not None)
+        """Memory held by the copied rows (the allocated capacity, the interleaved copy included)."""
+        parts = (self._codes, self._scale, self._minv, *(self._x16 or ()))
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def _rows(self, lo: int, hi: int) -> QuantWeight:
+        """Copied rows ``lo..hi`` (whole blocks of 16) as a weight of their own."""
+        h = self.head
+        return QuantWeight(h.fmt, hi - lo, h.in_features, h.group, self._codes[lo:hi], self._scale[lo:hi],
+                           None if self._minv is None else self._minv[lo:hi], h.source)  # fmt: skip
+
+    def _repack(self, lo: int, hi: int) -> None:
+        """Bring the interleaved copy up to date for rows ``lo..hi`` (or make it, for all rows)."""
+        if self._x16 is None:
+            self._x16 = pack_x16(self._rows(0, self.capacity))
+            return
+        b0, b1 = lo // 16, -(-hi // 16)
+        fresh = pack_x16(self._rows(16 * b0, 16 * b1))
+        for whole, part in zip(self._x16, fresh):
+            per = whole.numel() // (self.capacity // 16)  # elements per block of 16 rows
+            whole.view(-1)[b0 * per : b1 * per] = part.reshape(-1)
 
     def add(self, token_ids: torch.Tensor) -> None:
         """Score these ids in later drafts too (ids already in, or out of range, are ignored)."""
@@ -91,6 +116,8 @@ class DraftVocabulary:
         if self._minv is not None:
             self._minv[lo:hi] = self.head.minv[ids]
         self.ids[lo:hi] = ids
+        if self._x16 is not None:
+            self._repack(lo, hi)
         self.member[ids] = True
         for t in ids.tolist():
             self._known[t] = 1
@@ -100,8 +127,18 @@ class DraftVocabulary:
         """``x [T, hidden] @ rows.T``: the subset's logits ``[T, size]`` (fp32; row-exact kernels)."""
         x = x.to(torch.float32).contiguous()
         rows = x.shape[0]
-        y = torch.empty(rows, self.size, dtype=torch.float32)
         lib, head = native(), self.head
+        if int8_activations() and head.out_features % 16 == 0:  # the head's own arithmetic, blocks of 16 rows
+            if self._x16 is None:
+                self._repack(0, self.capacity)
+            n = -(-self.size // 16) * 16
+            y = torch.empty(rows, n, dtype=torch.float32)
+            codes, scale, minv = (t.data_ptr() for t in self._x16)
+            if lib.selfspec_linear_x16(4 if head.fmt == "q4" else 8, rows, n, head.in_features, head.group,
+                                       x.data_ptr(), codes, scale, minv, None, y.data_ptr()):  # fmt: skip
+                raise MemoryError("no memory to quantise the activations of a draft's head")
+            return y[:, : self.size]
+        y = torch.empty(rows, self.size, dtype=torch.float32)
         minv = None if self._minv is None else self._minv.data_ptr()
         if head.fmt == "q4":
             lib.selfspec_linear_q4(rows, self.size, head.in_features, x.data_ptr(), self._codes.data_ptr(),

@@ -128,7 +128,10 @@ def profile_key(model) -> str:
     place = f"{model.adapter.device}-{str(model.adapter.dtype).replace('torch.', '')}-t{torch.get_num_threads()}"
     quant = getattr(model, "quantization", "none")
     if quant != "none":
+        from ..core.quant import int8_activations
+
         place += "-" + "".join(ch if ch.isalnum() else "_" for ch in quant)
+        place += "-a8" if int8_activations() else ""  # int8 activations: other products, other costs
     kernels = getattr(getattr(model, "kernel_report", None), "key", "")  # costs follow the kernels chosen
     kernels += "|" + getattr(getattr(model, "engine", None), "path_signature", "")  # ... and the native code
     digest = hashlib.sha1(f"{model.name}|{shape}|{place}|{torch.__version__}|{kernels}".encode()).hexdigest()[:10]
