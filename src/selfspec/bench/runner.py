@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..api import Session
+from ..core import quant
 from ..core.sampling import GREEDY, SamplingParams
 from ..datasets import PromptItem
 from ..decoding.loop import check_lengths, prefill_cosine
@@ -228,6 +229,10 @@ def run_benchmark(
 
     # 2. the timed run: same sessions throughout, methods interleaved prompt by prompt
     sessions = {m.label: runner.session(m) for m in specs if not m.is_peer}
+    # transformers' modules compute norms and attention with other last bits than the fused stack; int8
+    # activations turn those into rounding flips and logits a few percent apart, so the peers' tokens are not
+    # compared then (test_int8_kernels.py; README "int8 activations")
+    int8_model = getattr(model, "quantization", "none") != "none" and quant.int8_activations()
     failed_peers: dict[str, str] = {}
     records: list[PromptRecord] = []
     done = 0
@@ -252,7 +257,7 @@ def run_benchmark(
         for m, rec in zip(specs, row, strict=True):
             judged = rec.ok and base.ok and _comparable(runner.sampling_for(i, m), runner.sampling_for(i, baseline))
             if m.is_peer:  # a peer samples with its own generator: judged on greedy output only
-                judged = judged and PEERS[m.name].judged and sampling.greedy
+                judged = judged and PEERS[m.name].judged and sampling.greedy and not int8_model
             same = rec.token_ids == base.token_ids if judged else None
             records.append(dataclasses.replace(rec, identical_to_vanilla=same))
     if bar is not None:

@@ -437,10 +437,12 @@ def _engine_paths(model) -> dict[str, str]:
     layers = "fused native stack (one C call per pass)" if engine.fused else f"torch modules ({engine.fused_reason})"
     prefill = str(model.adapter.dtype).replace("torch.", "")  # unquantised models prefill in their own dtype
     if model.quantization != "none":
-        from ..core.quant import prefill_dtype, prefill_kernel
+        from ..core.quant import int8_activations, prefill_dtype, prefill_kernel
 
         prefill = str(prefill_dtype()).replace("torch.", "")
-        if prefill == "float32":
+        if prefill == "float32" and int8_activations() and prefill_kernel() == "rows":
+            prefill = "int8 activations (the decoding kernels: each prompt row computed as a one-token step computes it)"
+        elif prefill == "float32":
             prefill += {
                 "gemm": " (blocked products of decoded weight panels, prompt_gemm.c, in the fused stack)",
                 "rows": " (the decoding kernels: each prompt row computed as a one-token step computes it)",
