@@ -82,6 +82,7 @@ def test_x16_packing_keeps_every_code_scale_and_minimum():
     for kind in ("Q4_1", "Q6_K", "Q8_0"):
         qw = from_gguf(kind, random_blocks(kind, 32, 256), 32, 256)
         codes, scale, minv = pack_x16(qw)
+        assert (minv is None) == (qw.fmt == "q8" and qw.minv is None)  # Q8_0: the kernel computes -128 * scale
         g = qw.group
         groups = 256 // g
         raw = codes.numpy().reshape(2, groups, g // 4 if qw.fmt == "q8" else 4, 16, 4)
@@ -95,7 +96,8 @@ def test_x16_packing_keeps_every_code_scale_and_minimum():
                     code = byte & 15 if e < 16 else byte >> 4
                 else:
                     code = int(raw[nb, gi, e // 4, r, e % 4])
-                w[n, k] = float(scale[nb, gi, r]) * code + float(minv[nb, gi, r])
+                m = -128 * float(scale[nb, gi, r]) if minv is None else float(minv[nb, gi, r])
+                w[n, k] = float(scale[nb, gi, r]) * code + m
         assert torch.allclose(w, qw.dequantize().double(), atol=1e-6), kind
 
 
@@ -122,7 +124,8 @@ def test_the_portable_int8_path_computes_the_same_numbers_as_vnni(tmp_path):
             status = lib.selfspec_linear_x16(ctypes.c_int(4 if qw.fmt == "q4" else 8), ctypes.c_long(5),
                                              ctypes.c_long(48), ctypes.c_long(512), ctypes.c_long(qw.group),
                                              p(x.data_ptr()), p(codes.data_ptr()), p(scale.data_ptr()),
-                                             p(minv.data_ptr()), None, p(y.data_ptr()))  # fmt: skip
+                                             None if minv is None else p(minv.data_ptr()), None,
+                                             p(y.data_ptr()))  # fmt: skip
             assert status == 0
             assert torch.equal(y, qw.matmul(x)), kind
 

@@ -48,7 +48,7 @@ class DraftVocabulary:
         self._known = bytearray(self.vocab_size)  # the same membership, cheap to test from Python per token
         self.size = self.capacity = 0
         self.ids = self._codes = self._scale = self._minv = None
-        self._x16: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # made on first int8 product
+        self._x16: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # made on first int8 product
         self._allocate(min(self.limit, base + base // 2))
         self.add(torch.arange(min(base, self.vocab_size)))
 
@@ -93,6 +93,8 @@ class DraftVocabulary:
         b0, b1 = lo // 16, -(-hi // 16)
         fresh = pack_x16(self._rows(16 * b0, 16 * b1))
         for whole, part in zip(self._x16, fresh):
+            if whole is None:  # symmetric q8: no minima
+                continue
             per = whole.numel() // (self.capacity // 16)  # elements per block of 16 rows
             whole.view(-1)[b0 * per : b1 * per] = part.reshape(-1)
 
@@ -133,7 +135,7 @@ class DraftVocabulary:
                 self._repack(0, self.capacity)
             n = -(-self.size // 16) * 16
             y = torch.empty(rows, n, dtype=torch.float32)
-            codes, scale, minv = (t.data_ptr() for t in self._x16)
+            codes, scale, minv = (None if t is None else t.data_ptr() for t in self._x16)
             if lib.selfspec_linear_x16(4 if head.fmt == "q4" else 8, rows, n, head.in_features, head.group,
                                        x.data_ptr(), codes, scale, minv, None, y.data_ptr()):  # fmt: skip
                 raise MemoryError("no memory to quantise the activations of a draft's head")

@@ -372,7 +372,7 @@ class QuantWeight:
         """Bytes a product reads: one form of the weight (the interleaved copy and the row form are the same size)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minv) if t is not None)
 
-    def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The interleaved copy ``int8_kernels.c`` multiplies (codes, scale, minimum), made on first use; None
         when the rows are not a multiple of 16."""
         if self.out_features % 16:
@@ -401,7 +401,7 @@ class QuantWeight:
             shape = (self.out_features, self.in_features)
             if packed is not None:  # int8 activations: (bits, T, N, K, G, x, codes, scale, min, bias, y)
                 fn, head = lib.selfspec_linear_x16, (4 if self.fmt == "q4" else 8,)
-                shape, weights = (*shape, self.group), (*(t.data_ptr() for t in packed), None)
+                shape, weights = (*shape, self.group), (*map(_ptr, packed), None)
             else:
                 fn, head = (lib.selfspec_linear_q4 if self.fmt == "q4" else lib.selfspec_linear_q8), ()
                 shape = shape if self.fmt == "q4" else (*shape, self.group)
@@ -481,10 +481,11 @@ class QuantWeight:
                            self.source)  # fmt: skip
 
 
-def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``w`` interleaved 16 output rows at a time for ``int8_kernels.c`` (layout in that file's header): codes
     ``uint8 [out/16, groups, group/4, 16, 4]`` (q4: the form's own bytes reordered; q8: code + 128), scale and
-    minimum ``fp32 [out/16, groups, 16]`` (q8: minimum - 128 * scale)."""
+    minimum ``fp32 [out/16, groups, 16]`` (q8: minimum - 128 * scale; None for a q8 weight without minima,
+    whose -128 * scale the kernel computes)."""
     n, k, g = w.out_features, w.in_features, w.group
     groups = k // g
     if w.fmt == "q4":
@@ -493,10 +494,13 @@ def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raw = (w.codes.numpy().view(np.uint8) ^ np.uint8(0x80)).reshape(n // 16, 16, groups, g // 4, 4)
     codes = np.ascontiguousarray(raw.transpose(0, 2, 3, 1, 4))
     scale = w.scale.numpy().reshape(n // 16, 16, groups)
-    minv = np.zeros_like(scale) if w.minv is None else w.minv.numpy().reshape(n // 16, 16, groups)
+    packed_scale = torch.from_numpy(np.ascontiguousarray(scale.transpose(0, 2, 1)))
+    if w.minv is None:  # symmetric q8: the kernel computes the minimum, -128 * scale
+        return torch.from_numpy(codes.reshape(-1)), packed_scale, None
+    minv = w.minv.numpy().reshape(n // 16, 16, groups)
     if w.fmt == "q8":
         minv = minv - np.float32(128) * scale
-    return (torch.from_numpy(codes.reshape(-1)), torch.from_numpy(np.ascontiguousarray(scale.transpose(0, 2, 1))),
+    return (torch.from_numpy(codes.reshape(-1)), packed_scale,
             torch.from_numpy(np.ascontiguousarray(minv.transpose(0, 2, 1), dtype=np.float32)))  # fmt: skip
 
 
