@@ -149,3 +149,47 @@ def test_the_fused_stack_follows_the_activation_mode(smollm2):
             out[mode] = chain
     assert not torch.equal(out["float32"], out["int8"])
     assert (out["float32"] - out["int8"]).abs().max() <= 0.05 * out["float32"].abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q8_0", "Q6_K", "Q5_1"])
+def test_a_released_row_form_is_rebuilt_bit_for_bit(kind):
+    """Under int8 activations a layer's weight may keep its interleaved copy only; reading the row form rebuilds
+    it exactly (q8 weights with minima keep both: their stored minimum - 128 * scale would lose bits)."""
+    qw = from_gguf(kind, random_blocks(kind, 48, 512, seed=6), 48, 512)
+    before = [None if t is None else t.clone() for t in (qw.codes, qw.scale, qw.minv)]
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
+    with activations("int8"):
+        y = qw.matmul(x)
+        held = qw.nbytes
+        released = qw.release_rows()
+        assert released == (kind != "Q5_1")
+        if released:
+            assert qw.rows_released and qw.nbytes < held and qw.row_pointers() == (None, None, None)
+        assert torch.equal(qw.matmul(x), y)  # the products never needed the row form
+    after = (qw.codes, qw.scale, qw.minv)  # rebuilt on reading
+    assert not qw.rows_released
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_the_fused_stack_keeps_layer_weights_in_one_form_under_int8(smollm2):
+    """The default model's decoder layers hold their interleaved copies only (the prompt takes the int8 row
+    kernels too); switching to fp32 activations rebuilds the row forms, and the logits of each mode stay."""
+    engine = smollm2.engine
+    ids = torch.tensor(smollm2.tokenizer("Memory is a feature, too.")["input_ids"])
+
+    def logits():
+        cache = engine.new_cache(32)
+        return engine.forward(cache, ids, 0, prefill=True)
+
+    with activations("int8"):
+        first = logits()
+        stack = engine._fused
+        assert stack.released_bytes > 50e6  # SmolLM2's layers: about 79 MB
+    with activations("float32"):
+        fp32 = logits()
+        assert stack.released_bytes == 0
+    with activations("int8"):
+        assert torch.equal(logits(), first)
+        assert stack.released_bytes > 50e6
+    with activations("float32"):
+        assert torch.equal(logits(), fp32)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .cache import KVCache
-from .quant import QuantLinear, int8_activations, native
+from .quant import QuantLinear, int8_activations, native, prefill_kernel
 from .skipset import SkipSet
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}
@@ -71,12 +71,15 @@ class FusedLayer:
 
 
 def _qmat(linear: QuantLinear, int8: bool) -> _QMat:
-    """The C struct of one product; with ``int8``, the weight's interleaved copy for int8 activations too."""
+    """The C struct of one product; with ``int8``, the weight's interleaved copy for int8 activations too (its row
+    form may then be released: NULL pointers, which the C code never reads while the pass quantises its rows)."""
     w = linear.qweight
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     packed = (w.x16() if int8 else None) or (None, None, None)
-    return _QMat(4 if w.fmt == "q4" else 8, w.out_features, w.in_features, w.group, w.codes.data_ptr(),
-                 w.scale.data_ptr(), ptr(w.minv), ptr(linear.bias), *map(ptr, packed))  # fmt: skip
+    if not int8:
+        w.codes  # noqa: B018  (rebuilds a released row form)
+    return _QMat(4 if w.fmt == "q4" else 8, w.out_features, w.in_features, w.group, *w.row_pointers(),
+                 ptr(linear.bias), *map(ptr, packed))  # fmt: skip
 
 
 def unsupported_reason(layer: FusedLayer) -> str | None:
@@ -117,11 +120,26 @@ class FusedStack:
         fn.restype = ctypes.c_int
         self._fn = fn
 
-    def _describe(self, int8: bool) -> None:
-        """The C structs of every layer; with ``int8``, products take int8 activations (``int8_kernels.c``)."""
+    def _describe(self, int8: bool, *, release: bool = True) -> None:
+        """The C structs of every layer; with ``int8``, products take int8 activations (``int8_kernels.c``) and,
+        with ``release`` while the prompt takes the same kernels, the layers' weights keep their interleaved
+        copy only (half the memory; the row form is rebuilt if anything reads it)."""
         self.int8 = int8
+        if int8:
+            rows_needed = not release or prefill_kernel() != "rows"  # the blocked fp32 prompt kernel reads them
+            for layer in self.layers:
+                for m in layer.linears:
+                    if rows_needed:
+                        m.qweight.codes  # noqa: B018  (rebuilds a released row form)
+                    else:
+                        m.qweight.release_rows()
         self._keep.clear()
         self._structs = (_Layer * len(self.layers))(*(self._struct(layer) for layer in self.layers))
+
+    @property
+    def released_bytes(self) -> int:
+        """Bytes of row forms the layers' weights hold in their interleaved copy only."""
+        return sum(m.qweight.step_bytes for layer in self.layers for m in layer.linears if m.qweight.rows_released)
 
     def _cosine_buffer(self, cosines: np.ndarray) -> int:
         if cosines.dtype != np.float32 or cosines.shape != (2 * len(self.layers),) or not cosines.flags.c_contiguous:
@@ -165,6 +183,8 @@ class FusedStack:
         one-token rows in rounding; never for a pass whose rows are compared with one-token steps."""
         if self.int8 != int8_activations():  # the process-wide mode changed since the structs were made
             self._describe(not self.int8)
+        if prompt and self.released_bytes:  # the blocked prompt kernel (asked for after load) reads row forms
+            self._describe(self.int8, release=False)
         h = h.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # written in place
         T = h.shape[1]
         if start + T > cache.capacity:

@@ -344,33 +344,91 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 @dataclass
 class QuantWeight:
-    """A weight ``[out, in]`` in one of the two repacked forms (see the module docstring)."""
+    """A weight ``[out, in]`` in one of the two repacked forms (see the module docstring).  Under int8
+    activations a weight only ever multiplied (a decoder layer's) may hold its interleaved copy alone
+    (:meth:`release_rows`); ``codes``, ``scale`` and ``minv`` then rebuild the row form when something reads it."""
 
     fmt: str  # "q4" | "q8"
     out_features: int
     in_features: int
     group: int  # weights per scale: 32 (q4, q8) or 16 (q8 from Q6_K)
-    codes: torch.Tensor  # q4: uint8 [out, in/2]; q8: int8 [out, in]
-    scale: torch.Tensor  # fp32 [out, in/group]
-    minv: torch.Tensor | None  # fp32 [out, in/group] (q8: None when every minimum is 0)
+    _codes: torch.Tensor | None  # q4: uint8 [out, in/2]; q8: int8 [out, in]
+    _scale: torch.Tensor | None  # fp32 [out, in/group]
+    _minv: torch.Tensor | None  # fp32 [out, in/group] (q8: None when every minimum is 0)
     source: str  # the GGUF type (or "int8"/"int4") it came from
 
     def __post_init__(self) -> None:
         if self.in_features % 32:
             raise SelfspecError(f"quantised rows must hold a multiple of 32 weights, not {self.in_features}")
-        if self.fmt == "q4" and self.minv is None:
-            self.minv = torch.zeros_like(self.scale)
+        if self.fmt == "q4" and self._minv is None:
+            self._minv = torch.zeros_like(self._scale)
+        self._released = False
+
+    @property
+    def codes(self) -> torch.Tensor:
+        self._row_form()
+        return self._codes
+
+    @property
+    def scale(self) -> torch.Tensor:
+        self._row_form()
+        return self._scale
+
+    @property
+    def minv(self) -> torch.Tensor | None:
+        self._row_form()
+        return self._minv
+
+    @property
+    def rows_released(self) -> bool:
+        return self._released
+
+    def release_rows(self) -> bool:
+        """Drop the row form when the interleaved copy holds the weight exactly (q4, and q8 without minima, whose
+        stored minimum -128 * scale loses no bits); returns whether it was dropped."""
+        packed = self.x16()
+        if packed is None or (self.fmt == "q8" and self._minv is not None):
+            return False
+        self._codes = self._scale = self._minv = None
+        self._released = True
+        self.__dict__.pop("_bound", None)  # pointers into the row form
+        return True
+
+    def row_pointers(self) -> tuple[int | None, int | None, int | None]:
+        """Addresses of the row form (codes, scale, minimum), None where absent or released; never rebuilds it."""
+        return _ptr(self._codes), _ptr(self._scale), _ptr(self._minv)
+
+    def _row_form(self) -> None:
+        """Rebuild the row form from the interleaved copy (the inverse of :func:`pack_x16`) if it was dropped."""
+        if not self._released:
+            return
+        codes, scale, minv = self.__dict__["_x16"]
+        n, k, g = self.out_features, self.in_features, self.group
+        groups, j = k // g, (4 if self.fmt == "q4" else g // 4)
+        raw = np.ascontiguousarray(codes.numpy().reshape(n // 16, groups, j, 16, 4).transpose(0, 3, 1, 2, 4))
+        if self.fmt == "q4":
+            self._codes = torch.from_numpy(raw.reshape(n, k // 2))
+        else:
+            self._codes = torch.from_numpy((raw ^ np.uint8(0x80)).view(np.int8).reshape(n, k))
+        unpack = lambda t: torch.from_numpy(np.ascontiguousarray(t.numpy().transpose(0, 2, 1)).reshape(n, groups))  # noqa: E731
+        self._scale = unpack(scale)
+        self._minv = None if minv is None else unpack(minv)
+        self._released = False
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, the interleaved copy for int8 products included once it exists."""
-        parts = [self.codes, self.scale, self.minv, *(self.__dict__.get("_x16") or ())]
+        """Bytes held: the row form, and the interleaved copy for int8 products once it exists."""
+        parts = [self._codes, self._scale, self._minv, *(self.__dict__.get("_x16") or ())]
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     @property
     def step_bytes(self) -> int:
-        """Bytes a product reads: one form of the weight (the interleaved copy and the row form are the same size)."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minv) if t is not None)
+        """Bytes a product reads: one form of the weight (the row form's size; a symmetric q8 weight's interleaved
+        copy has no minima either)."""
+        groups = self.out_features * (self.in_features // self.group)
+        codes = self.out_features * self.in_features // (2 if self.fmt == "q4" else 1)
+        minima = self.fmt == "q4" or self._minv is not None  # (a released q8 weight never had minima)
+        return codes + 4 * groups * (2 if minima else 1)
 
     def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The interleaved copy ``int8_kernels.c`` multiplies (codes, scale, minimum), made on first use; None
