@@ -193,3 +193,37 @@ def test_the_fused_stack_keeps_layer_weights_in_one_form_under_int8(smollm2):
         assert stack.released_bytes > 50e6
     with activations("float32"):
         assert torch.equal(logits(), fp32)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q6_K"])
+def test_rows_of_a_released_table_are_looked_up_from_its_interleaved_copy(kind):
+    """Token embeddings and the draft vocabulary read rows of a tied table whose row form is released: the
+    same rows, without rebuilding the whole table."""
+    qw = from_gguf(kind, random_blocks(kind, 64, 256, seed=8), 64, 256)
+    ids = torch.tensor([0, 17, 63, 17, 40])
+    want_rows = qw.rows(ids)
+    want = [None if t is None else t[ids] for t in (qw.codes, qw.scale, qw.minv)]
+    with activations("int8"):
+        assert qw.release_rows()
+    got = qw.row_slices(ids)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert torch.equal(qw.rows(ids), want_rows)
+    assert qw.rows_released  # neither call rebuilt the row form
+
+
+def test_a_model_loaded_under_int8_keeps_one_form_of_its_weights():
+    """Loaded under int8 activations, the tied head and embedding table and every decoder layer hold their
+    interleaved copies only; the draft vocabulary still scores exactly the head's rows."""
+    import selfspec
+
+    with activations("int8"):
+        model = selfspec.load("smollm2-135m")
+        head = model.adapter.quantized_head()
+        assert head.rows_released
+        assert model.engine._fused.released_bytes > 50e6
+        out = selfspec.generate(model, "Name three colours.", "vanilla", max_new_tokens=8)
+        assert len(out.token_ids) == 8 and head.rows_released  # lookups and products kept it so
+    vocab = model.engine.draft_vocab
+    x = torch.randn(2, head.in_features, generator=torch.Generator().manual_seed(9))
+    with activations("int8"):
+        assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])

@@ -60,18 +60,20 @@ class DraftVocabulary:
         head, n = self.head, self.size
         rows = -(-rows // 16) * 16
 
-        def grown(old: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-            if like is None:
+        def grown(old: torch.Tensor | None, width: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+            if width is None:
                 return None
-            new = torch.zeros((rows, *like.shape[1:]), dtype=like.dtype)
+            new = torch.zeros((rows, width) if width else (rows,), dtype=dtype)
             if old is not None and n:
                 new[:n] = old[:n]
             return new
 
-        self.ids = grown(self.ids, torch.empty(1, dtype=torch.int64))
-        self._codes = grown(self._codes, head.codes)
-        self._scale = grown(self._scale, head.scale)
-        self._minv = grown(self._minv, head.minv)
+        k, groups = head.in_features, head.in_features // head.group
+        self.ids = grown(self.ids, 0, torch.int64)
+        q4 = head.fmt == "q4"
+        self._codes = grown(self._codes, k // 2 if q4 else k, torch.uint8 if q4 else torch.int8)
+        self._scale = grown(self._scale, groups, torch.float32)
+        self._minv = grown(self._minv, groups if head.has_minima else None, torch.float32)
         self.capacity = rows
         self._x16 = None  # remade from the row copies on the next int8 product
 
@@ -115,10 +117,11 @@ class DraftVocabulary:
         if self.size + len(ids) > self.capacity:
             self._allocate(min(self.limit, max(2 * self.capacity, self.size + len(ids))))
         lo, hi = self.size, self.size + len(ids)
-        self._codes[lo:hi] = self.head.codes[ids]
-        self._scale[lo:hi] = self.head.scale[ids]
+        codes, scale, minv = self.head.row_slices(ids)  # (from the head's int8 copy where its row form is released)
+        self._codes[lo:hi] = codes
+        self._scale[lo:hi] = scale
         if self._minv is not None:
-            self._minv[lo:hi] = self.head.minv[ids]
+            self._minv[lo:hi] = minv
         self.ids[lo:hi] = ids
         if self._x16 is not None:
             self._repack(lo, hi)

@@ -427,8 +427,12 @@ class QuantWeight:
         copy has no minima either)."""
         groups = self.out_features * (self.in_features // self.group)
         codes = self.out_features * self.in_features // (2 if self.fmt == "q4" else 1)
-        minima = self.fmt == "q4" or self._minv is not None  # (a released q8 weight never had minima)
-        return codes + 4 * groups * (2 if minima else 1)
+        return codes + 4 * groups * (2 if self.has_minima else 1)
+
+    @property
+    def has_minima(self) -> bool:
+        """Whether the weight stores a minimum per group (q4 always; q8 when not symmetric)."""
+        return self.fmt == "q4" or self._minv is not None  # (a released q8 weight never had minima)
 
     def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The interleaved copy ``int8_kernels.c`` multiplies (codes, scale, minimum), made on first use; None
@@ -513,6 +517,21 @@ class QuantWeight:
             raise MemoryError("no memory for the prefill kernel's weight blocks")
         return y
 
+    def row_slices(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The row form's (codes, scale, minimum) of the rows ``idx`` (int64, in range), read from the interleaved
+        copy where the row form was released (a tied embedding table: token lookups, the draft vocabulary)."""
+        if not self._released:
+            return self._codes[idx], self._scale[idx], None if self._minv is None else self._minv[idx]
+        codes, scale, minv = self.__dict__["_x16"]
+        groups, n = self.in_features // self.group, idx.numpy()
+        j = 4 if self.fmt == "q4" else self.group // 4
+        block, r = n // 16, n % 16
+        raw = codes.numpy().reshape(self.out_features // 16, groups, j, 16, 4)[block, :, :, r, :].reshape(len(n), -1)
+        if self.fmt == "q8":
+            raw = (raw ^ np.uint8(0x80)).view(np.int8)
+        pick = lambda t: torch.from_numpy(np.ascontiguousarray(t.numpy()[block, :, r]))  # noqa: E731
+        return torch.from_numpy(raw), pick(scale), None if minv is None else pick(minv)
+
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """The rows ``idx`` of W, decoded to fp32 ``[len(idx), in]``."""
         idx = idx.reshape(-1).to(torch.int64).contiguous()
@@ -520,12 +539,17 @@ class QuantWeight:
             raise IndexError(f"row index out of range for a weight of {self.out_features} rows")
         out = torch.empty(len(idx), self.in_features, dtype=torch.float32)
         lib = native()
-        if self.fmt == "q4":
-            lib.selfspec_rows_q4(len(idx), idx.data_ptr(), self.in_features, self.codes.data_ptr(),
-                                 self.scale.data_ptr(), _ptr(self.minv), out.data_ptr())  # fmt: skip
+        if self._released:  # decode the gathered rows as rows 0..R-1 of their own table
+            codes, scale, minv = self.row_slices(idx)
+            idx = torch.arange(len(idx))
         else:
-            lib.selfspec_rows_q8(len(idx), idx.data_ptr(), self.in_features, self.group, self.codes.data_ptr(),
-                                 self.scale.data_ptr(), _ptr(self.minv), out.data_ptr())  # fmt: skip
+            codes, scale, minv = self._codes, self._scale, self._minv
+        if self.fmt == "q4":
+            lib.selfspec_rows_q4(len(idx), idx.data_ptr(), self.in_features, codes.data_ptr(), scale.data_ptr(),
+                                 _ptr(minv), out.data_ptr())  # fmt: skip
+        else:
+            lib.selfspec_rows_q8(len(idx), idx.data_ptr(), self.in_features, self.group, codes.data_ptr(),
+                                 scale.data_ptr(), _ptr(minv), out.data_ptr())  # fmt: skip
         return out
 
     def dequantize(self) -> torch.Tensor:

@@ -56,6 +56,8 @@ class Engine:
         if head is not None and draft_vocab.enabled() and head.out_features >= draft_vocab.MIN_VOCAB:
             self.draft_vocab = draft_vocab.DraftVocabulary(head)
             self.path_signature += "+draft-vocab"
+        if head is not None and quant.int8_activations():
+            head.release_rows()  # its int8 copy serves the products, token lookups and the draft vocabulary
 
     @property
     def fused(self) -> bool:
