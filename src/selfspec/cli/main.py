@@ -441,7 +441,7 @@ def _engine_paths(model) -> dict[str, str]:
 
         prefill = str(prefill_dtype()).replace("torch.", "")
         if prefill == "float32" and int8_activations() and prefill_kernel() == "rows":
-            prefill = "int8 activations (the decoding kernels: each prompt row computed as a one-token step computes it)"
+            prefill = "int8 activations (the decoding kernels: each prompt row computed as a one-token step does it)"
         elif prefill == "float32":
             prefill += {
                 "gemm": " (blocked products of decoded weight panels, prompt_gemm.c, in the fused stack)",

@@ -96,7 +96,7 @@ class DraftVocabulary:
             return
         b0, b1 = lo // 16, -(-hi // 16)
         fresh = pack_x16(self._rows(16 * b0, 16 * b1))
-        for whole, part in zip(self._x16, fresh):
+        for whole, part in zip(self._x16, fresh, strict=True):
             if whole is None:  # symmetric q8: no minima
                 continue
             per = whole.numel() // (self.capacity // 16)  # elements per block of 16 rows

@@ -13,7 +13,8 @@
  * holding code k = 4j + i of row r; q4 packs k = 4j + i in the low nibble and k = 16 + 4j + i in the high
  * nibble of the same byte (exactly the bytes of quant.py's q4 form, reordered), q8 stores code + 128 as an
  * unsigned byte.  Per group and row: scale d and minimum m with w = d * code + m (q8: m already includes
- * -128 d; a symmetric q8 weight, Q8_0, stores no minimum and m = -128 d is computed: a tenth less to read).  A row's product is then  sum_g  d_g * dx_g * sum_k(code * xq)  +  m_g * dx_g * sum_k(xq).
+ * -128 d; a symmetric q8 weight, Q8_0, stores no minimum and m = -128 d is computed: a tenth less to read).
+ * A row's product is then  sum_g  d_g * dx_g * sum_k(code * xq)  +  m_g * dx_g * sum_k(xq).
  *
  * Row independence (what keeps speculative decoding token-identical): a row of x is quantised on its own, its
  * integer sums are exact, and its float operations run in the same order whatever the number of rows T in

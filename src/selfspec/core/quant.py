@@ -410,7 +410,9 @@ class QuantWeight:
             self._codes = torch.from_numpy(raw.reshape(n, k // 2))
         else:
             self._codes = torch.from_numpy((raw ^ np.uint8(0x80)).view(np.int8).reshape(n, k))
-        unpack = lambda t: torch.from_numpy(np.ascontiguousarray(t.numpy().transpose(0, 2, 1)).reshape(n, groups))  # noqa: E731
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(t.numpy().transpose(0, 2, 1)).reshape(n, groups))
+
         self._scale = unpack(scale)
         self._minv = None if minv is None else unpack(minv)
         self._released = False
