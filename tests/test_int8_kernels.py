@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from test_quant import random_blocks
+from test_quant import assert_rows_are_independent, random_blocks
 
 from selfspec.core import quant
 from selfspec.core.quant import CFLAGS, SOURCES, activations, from_gguf, int8_kernels_available, pack_x16
@@ -48,12 +48,7 @@ def test_int8_products_match_the_dequantised_weight_within_activation_rounding(k
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
 def test_an_int8_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind):
     qw = from_gguf(kind, random_blocks(kind, 64, 768), 64, 768)
-    x = torch.randn(13, 768, generator=torch.Generator().manual_seed(2))
-    together = qw.matmul(x)
-    for i in range(13):
-        assert torch.equal(qw.matmul(x[i : i + 1].contiguous())[0], together[i])
-    for lo, hi in ((0, 5), (5, 11), (11, 13)):
-        assert torch.equal(qw.matmul(x[lo:hi].contiguous()), together[lo:hi])
+    assert_rows_are_independent(qw, torch.randn(13, 768, generator=torch.Generator().manual_seed(2)))
 
 
 @pytest.mark.usefixtures("int8_activations")

@@ -90,6 +90,17 @@ def test_product_matches_the_dequantised_weight(kind, rows):
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+def assert_rows_are_independent(qw, x: torch.Tensor) -> torch.Tensor:
+    """Each row of ``qw.matmul(x)`` (13 rows) equals its one-row product and any split of the rows among calls;
+    returns the product of all rows."""
+    together = qw.matmul(x)
+    for i in range(len(x)):
+        assert torch.equal(qw.matmul(x[i : i + 1].contiguous())[0], together[i])
+    for lo, hi in ((0, 5), (5, 11), (11, 13)):
+        assert torch.equal(qw.matmul(x[lo:hi].contiguous()), together[lo:hi])
+    return together
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_1"])
 @pytest.mark.parametrize("out_rows", [64, 37])
 def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind, out_rows):
@@ -97,11 +108,7 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind, out
     output rows; input rows in blocks of 8 with a tail; any split of the rows among calls)."""
     qw = from_gguf(kind, random_blocks(kind, out_rows, 768), out_rows, 768)
     x = torch.randn(13, 768, generator=torch.Generator().manual_seed(2))
-    together = qw.matmul(x)
-    for i in range(13):
-        assert torch.equal(qw.matmul(x[i : i + 1].contiguous())[0], together[i])
-    for lo, hi in ((0, 5), (5, 11), (11, 13)):
-        assert torch.equal(qw.matmul(x[lo:hi].contiguous()), together[lo:hi])
+    together = assert_rows_are_independent(qw, x)
     ref = x.double() @ qw.dequantize().double().T
     assert torch.allclose(together.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
