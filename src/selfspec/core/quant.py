@@ -176,8 +176,8 @@ def int8_activations() -> bool:
     """Whether products of quantised weights (outside the prompt's kernel) quantise their activations to int8,
     as llama.cpp's CPU kernels do: ``auto`` (default) where the CPU has AVX512-VNNI, ``int8`` always (the
     portable loops elsewhere), ``float32`` never (``--activations``, ``load(activations=...)`` or
-    ``SELFSPEC_ACTIVATIONS``).  int8 products are 2.5-5x faster here (``selfspec kernels``) and change the
-    model's logits by about 0.4% of their size, so greedy outputs can part from the fp32-activation ones; every
+    ``SELFSPEC_ACTIVATIONS``).  int8 products of 4-16 rows are 2-4x faster here (one row: the same, bound by
+    reading the weights; README "int8 activations") and change the model's logits by a few tenths of a percent, so greedy outputs can part from the fp32-activation ones; every
     method and vanilla decoding share the same products, so speculative decoding stays lossless either way."""
     if _ACTIVATIONS is None:
         set_activations(os.environ.get(ACTIVATIONS_ENV, "").strip() or "auto")
@@ -410,6 +410,7 @@ class QuantWeight:
             self._codes = torch.from_numpy(raw.reshape(n, k // 2))
         else:
             self._codes = torch.from_numpy((raw ^ np.uint8(0x80)).view(np.int8).reshape(n, k))
+
         def unpack(t: torch.Tensor) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(t.numpy().transpose(0, 2, 1)).reshape(n, groups))
 
