@@ -177,8 +177,9 @@ def int8_activations() -> bool:
     as llama.cpp's CPU kernels do: ``auto`` (default) where the CPU has AVX512-VNNI, ``int8`` always (the
     portable loops elsewhere), ``float32`` never (``--activations``, ``load(activations=...)`` or
     ``SELFSPEC_ACTIVATIONS``).  int8 products of 4-16 rows are 2-4x faster here (one row: the same, bound by
-    reading the weights; README "int8 activations") and change the model's logits by a few tenths of a percent, so greedy outputs can part from the fp32-activation ones; every
-    method and vanilla decoding share the same products, so speculative decoding stays lossless either way."""
+    reading the weights; README "int8 activations") and move the model's logits by a few tenths of a percent,
+    so greedy outputs can part from the fp32-activation ones; every method and vanilla decoding share the same
+    products, so speculative decoding stays lossless either way."""
     if _ACTIVATIONS is None:
         set_activations(os.environ.get(ACTIVATIONS_ENV, "").strip() or "auto")
     if _ACTIVATIONS == "auto":
