@@ -76,8 +76,6 @@ def _qmat(linear: QuantLinear, int8: bool) -> _QMat:
     w = linear.qweight
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     packed = (w.x16() if int8 else None) or (None, None, None)
-    if not int8:
-        w.codes  # noqa: B018  (rebuilds a released row form)
     return _QMat(4 if w.fmt == "q4" else 8, w.out_features, w.in_features, w.group, *w.row_pointers(),
                  ptr(linear.bias), *map(ptr, packed))  # fmt: skip
 
@@ -125,14 +123,14 @@ class FusedStack:
         with ``release`` while the prompt takes the same kernels, the layers' weights keep their interleaved
         copy only (half the memory; the row form is rebuilt if anything reads it)."""
         self.int8 = int8
-        if int8:
-            rows_needed = not release or prefill_kernel() != "rows"  # the blocked fp32 prompt kernel reads them
-            for layer in self.layers:
-                for m in layer.linears:
-                    if rows_needed:
-                        m.qweight.codes  # noqa: B018  (rebuilds a released row form)
-                    else:
-                        m.qweight.release_rows()
+        # fp32 products and the blocked fp32 prompt kernel read the row form
+        keep_rows = not int8 or not release or prefill_kernel() != "rows"
+        for layer in self.layers:
+            for m in layer.linears:
+                if keep_rows:
+                    m.qweight.restore_rows()
+                else:
+                    m.qweight.release_rows()
         self._keep.clear()
         self._structs = (_Layer * len(self.layers))(*(self._struct(layer) for layer in self.layers))
 

@@ -44,7 +44,7 @@ int selfspec_int8_kernels(void) {
  * gets a NaN scale and an infinite one a NaN product, so the products' outputs stay non-finite, as in fp32. */
 void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float *ds16, float *ds32) {
 #ifdef SELFSPEC_VNNI
-    /* the same numbers as the loop below: max is exact, vcvtps2dq rounds half to even under the default mode */
+    /* the same numbers as the portable loop: max is exact, vcvtps2dq rounds half to even under the default mode */
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (long b = 0; b < K / 32; b++) {
         const __m512 a0 = _mm512_loadu_ps(x + b * 32), a1 = _mm512_loadu_ps(x + b * 32 + 16);
@@ -61,8 +61,7 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         ds16[2 * b + 1] = d * (float)s1;
         ds32[b] = d * (float)(s0 + s1);
     }
-    return;
-#endif
+#else
     for (long b = 0; b < K / 32; b++) {
         const float *p = x + b * 32;
         float amax = 0.0f;
@@ -83,6 +82,7 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         ds16[2 * b + 1] = d * (float)sum[1];
         ds32[b] = d * (float)(sum[0] + sum[1]);
     }
+#endif
 }
 
 /* Rows of x quantised, as the products read them */
@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
 /* rows t0.. of x (NB of them) against one block, for one (BITS, G) */
 #define BLOCK(NB, BITS, G, SYM) \
     block_vnni(NB, BITS, G, SYM, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
-               ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, y + t0 * N, N)
+               ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, yb + t0 * N, N)
 
 /* All T rows of x against one block of 16 output rows, in runs of up to 8 rows */
 #define BLOCK_ROWS(BITS, G, SYM)                                             \
@@ -212,20 +212,17 @@ static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows 
         const float *s = scale + nb * groups * 16, *m = minv ? minv + nb * groups * 16 : NULL;
         const float *bb = bias ? bias + nb * 16 : NULL;
 #ifdef SELFSPEC_VNNI
-        float *yb = y + nb * 16;
-        {
-            float *y = yb; /* BLOCK writes rows of y from this block's first column */
-            if (bits == 4)
-                BLOCK_ROWS(4, 32, 0);
-            else if (G == 32 && m)
-                BLOCK_ROWS(8, 32, 0);
-            else if (G == 32)
-                BLOCK_ROWS(8, 32, 1);
-            else if (m)
-                BLOCK_ROWS(8, 16, 0);
-            else
-                BLOCK_ROWS(8, 16, 1);
-        }
+        float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
+        if (bits == 4)
+            BLOCK_ROWS(4, 32, 0);
+        else if (G == 32 && m)
+            BLOCK_ROWS(8, 32, 0);
+        else if (G == 32)
+            BLOCK_ROWS(8, 32, 1);
+        else if (m)
+            BLOCK_ROWS(8, 16, 0);
+        else
+            BLOCK_ROWS(8, 16, 1);
 #else
         for (long t = 0; t < T; t++)
             block_portable(bits, K, G, x->q + t * K, x->dx + t * (K / 32), x->ds16 + t * (K / 16),
@@ -246,21 +243,17 @@ static qrows qrows_at(void *buf, long T, long K) {
 /* Size of the scratch selfspec_quantize_rows_ws fills (rounded up to 64-byte lines) */
 long selfspec_qrows_bytes(long T, long K) { return ((qrows_bytes(T, K) + 63) / 64 + 1) * 64; }
 
-/* This thread's share of quantising x [T, K] into buf (selfspec_qrows_bytes(T, K) bytes); a work-sharing loop
- * with its closing barrier */
-void selfspec_quantize_rows_ws(long T, long K, const float *x, void *buf) {
-    const qrows r = qrows_at(buf, T, K);
-#pragma omp for schedule(static)
-    for (long t = 0; t < T; t++)
-        selfspec_quantize_row(K, x + t * K, (int8_t *)r.q + t * K, (float *)r.dx + t * (K / 32),
-                              (float *)r.ds16 + t * (K / 16), (float *)r.ds32 + t * (K / 32));
-}
-
-/* Row t of x (x_t [K]) quantised into buf, as selfspec_quantize_rows_ws does it for all rows (one thread) */
+/* Row t of x (x_t [K]) quantised into buf (selfspec_qrows_bytes(T, K) bytes), one thread */
 void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t) {
     const qrows r = qrows_at(buf, T, K);
     selfspec_quantize_row(K, x_t, (int8_t *)r.q + t * K, (float *)r.dx + t * (K / 32), (float *)r.ds16 + t * (K / 16),
                           (float *)r.ds32 + t * (K / 32));
+}
+
+/* This thread's share of quantising every row of x [T, K] into buf; a work-sharing loop with its closing barrier */
+void selfspec_quantize_rows_ws(long T, long K, const float *x, void *buf) {
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) selfspec_quantize_row_into(buf, T, K, t, x + t * K);
 }
 
 /* y [T, N] = x @ W.T (+ bias) from rows already quantised into buf by selfspec_quantize_rows_ws (the fused stack) */

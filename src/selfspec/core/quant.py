@@ -367,17 +367,17 @@ class QuantWeight:
 
     @property
     def codes(self) -> torch.Tensor:
-        self._row_form()
+        self.restore_rows()
         return self._codes
 
     @property
     def scale(self) -> torch.Tensor:
-        self._row_form()
+        self.restore_rows()
         return self._scale
 
     @property
     def minv(self) -> torch.Tensor | None:
-        self._row_form()
+        self.restore_rows()
         return self._minv
 
     @property
@@ -399,7 +399,7 @@ class QuantWeight:
         """Addresses of the row form (codes, scale, minimum), None where absent or released; never rebuilds it."""
         return _ptr(self._codes), _ptr(self._scale), _ptr(self._minv)
 
-    def _row_form(self) -> None:
+    def restore_rows(self) -> None:
         """Rebuild the row form from the interleaved copy (the inverse of :func:`pack_x16`) if it was dropped."""
         if not self._released:
             return
