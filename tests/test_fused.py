@@ -77,6 +77,24 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len)
     assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 2, 64), (4, 1, 80), (8, 2, 128)])
+def test_query_heads_attended_together_get_a_lone_rows_logits(heads, kv_heads, head_dim):
+    """A long pass attends several query heads of one key/value head together (shared value loads, one list of
+    visible keys); a one-token step attends them one by one: each token's logits are the same bit for bit,
+    across head sizes that take the vector blocks alone (64, 128) and with a scalar tail (80)."""
+    model = tiny_model("llama", seed=5, hidden_size=16 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=head_dim)
+    quantize_linears(model.hf, 8)
+    model = selfspec.model_from_hf(model.hf, model.tokenizer, name=f"tiny-llama-{heads}x{head_dim}")
+    assert model.engine.fused, model.engine.fused_reason
+    new = torch.arange(9) + 11
+    engine, cache = prefilled(model, 40, fused=True)
+    steps = [engine.forward(cache, new[i : i + 1], 40 + i)[0] for i in range(len(new))]
+    engine, cache = prefilled(model, 40, fused=True)
+    chain = engine.forward(cache, new, 40)
+    assert all(torch.equal(chain[i], steps[i]) for i in range(len(new)))
+
+
 @pytest.mark.usefixtures("fp32_activations")
 def test_the_fused_stack_measures_asds_sublayer_cosines_like_the_modules(qtiny):
     """ASD's prefill statistics come from the fused pass too (its prompt then shares vanilla's arithmetic):

@@ -17,6 +17,7 @@
  * perform the same IEEE operations.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -194,40 +195,67 @@ static void rope(float *x, const float *cos, const float *sin, long hd) {
     memcpy(x, tmp, hd * sizeof(float));
 }
 
-/* out[d] = sum over i of p[i] * value[list[i]][d], added in key order from 0: out[d] = out[d] + p[i] * v[d] */
+/* For each of R rows r: out_r[d] = sum over i of p_r[i] * value[list[i]][d], added in key order from 0:
+ * out_r[d] = out_r[d] + p_r[i] * v[d].  Rows r are R query heads sharing one key/value head and one list of
+ * visible keys (rows of p and out R_STRIDE apart: pstride floats, hd floats).  Each row's numbers are those
+ * one row alone gets; R rows at a time share the value loads and run R independent addition chains (a
+ * single row's chain is bound by the latency of its additions). */
+#define RMAX 4 /* the most query heads attended together */
 #if defined(__AVX512F__)
-/* NV vectors of 16 dimensions at a time kept in registers across all keys (a loop over keys per dimension
- * that loads and stores out[] is bound by store-to-load latency: half of attention's time); the same
- * operations in the same order per element as the portable loop below. */
-static inline __attribute__((always_inline)) void weighted_block(int NV, const float *p, const long *list, long m,
-                                                                 const float *vc, long hd, float *out) {
-    __m512 acc[8];
-    for (int c = 0; c < NV; c++) acc[c] = _mm512_setzero_ps();
+/* 4 vectors (64 dimensions) of each of R rows kept in registers across all keys; the same operations in the
+ * same order per element as the portable loop below. */
+static inline __attribute__((always_inline)) void weighted_block(int R, const float *p, long pstride,
+                                                                 const long *list, long m, const float *vc,
+                                                                 long hd, float *out) {
+    __m512 acc[RMAX][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (long i = 0; i < m; i++) {
-        const __m512 w = _mm512_set1_ps(p[i]);
         const float *v = vc + list[i] * hd;
-        for (int c = 0; c < NV; c++) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(w, _mm512_loadu_ps(v + 16 * c)));
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        for (int r = 0; r < R; r++) {
+            const __m512 w = _mm512_set1_ps(p[r * pstride + i]);
+            acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_mul_ps(w, v0));
+            acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_mul_ps(w, v1));
+            acc[r][2] = _mm512_add_ps(acc[r][2], _mm512_mul_ps(w, v2));
+            acc[r][3] = _mm512_add_ps(acc[r][3], _mm512_mul_ps(w, v3));
+        }
     }
-    for (int c = 0; c < NV; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * hd + 16 * c, acc[r][c]);
 }
 
-static void weighted_values(const float *p, const long *list, long m, const float *vc, long hd, float *out) {
+static void weighted_values(int R, const float *p, long pstride, const long *list, long m, const float *vc, long hd,
+                            float *out) {
     long d0 = 0;
-    for (; d0 + 128 <= hd; d0 += 128) weighted_block(8, p, list, m, vc + d0, hd, out + d0);
-    for (; d0 + 64 <= hd; d0 += 64) weighted_block(4, p, list, m, vc + d0, hd, out + d0);
-    for (; d0 + 16 <= hd; d0 += 16) weighted_block(1, p, list, m, vc + d0, hd, out + d0);
-    for (long d = d0; d < hd; d++) out[d] = 0.0f;
-    for (long i = 0; d0 < hd && i < m; i++) {
-        const float w = p[i], *v = vc + list[i] * hd;
-        for (long d = d0; d < hd; d++) out[d] = out[d] + w * v[d];
+    for (; d0 + 64 <= hd; d0 += 64) switch (R) {  /* constant R: the row loops unrolled */
+        case 4: weighted_block(4, p, pstride, list, m, vc + d0, hd, out + d0); break;
+        case 3: weighted_block(3, p, pstride, list, m, vc + d0, hd, out + d0); break;
+        case 2: weighted_block(2, p, pstride, list, m, vc + d0, hd, out + d0); break;
+        default: weighted_block(1, p, pstride, list, m, vc + d0, hd, out + d0); break;
+    }
+    for (int r = 0; d0 < hd && r < R; r++) {
+        const float *pr = p + r * pstride;
+        float *o = out + r * hd;
+        for (long d = d0; d < hd; d++) o[d] = 0.0f;
+        for (long i = 0; i < m; i++) {
+            const float w = pr[i], *v = vc + list[i] * hd;
+            for (long d = d0; d < hd; d++) o[d] = o[d] + w * v[d];
+        }
     }
 }
 #else
-static void weighted_values(const float *p, const long *list, long m, const float *vc, long hd, float *out) {
-    for (long d = 0; d < hd; d++) out[d] = 0.0f;
-    for (long i = 0; i < m; i++) {
-        const float w = p[i], *v = vc + list[i] * hd;
-        for (long d = 0; d < hd; d++) out[d] = out[d] + w * v[d];
+static void weighted_values(int R, const float *p, long pstride, const long *list, long m, const float *vc, long hd,
+                            float *out) {
+    for (int r = 0; r < R; r++) {
+        const float *pr = p + r * pstride;
+        float *o = out + r * hd;
+        for (long d = 0; d < hd; d++) o[d] = 0.0f;
+        for (long i = 0; i < m; i++) {
+            const float w = pr[i], *v = vc + list[i] * hd;
+            for (long d = 0; d < hd; d++) o[d] = o[d] + w * v[d];
+        }
     }
 }
 #endif
@@ -294,22 +322,37 @@ static float scores(const float *q, const float *kc, long hd, const long *list, 
 }
 #endif
 
-/* one query row attending over the allowed cache slots; out: [hd] */
-static void attend_row(const float *q, const float *kc, const float *vc, long hd, long nkeys, const uint8_t *allow,
-                       float scaling, long *list, float *p, float *out) {
+/* R query rows of one key/value head (contiguous in q and out, hd apart) attending over the same allowed cache
+ * slots; p: scratch of R rows pstride apart; out: [R, hd] */
+static void attend_rows(int R, const float *q, const float *kc, const float *vc, long hd, long nkeys,
+                        const uint8_t *allow, float scaling, long *list, float *p, long pstride, float *out) {
     long m = 0;
     for (long j = 0; j < nkeys; j++)
         if (!allow || allow[j]) list[m++] = j;
-    const float mx = scores(q, kc, hd, list, m, scaling, p);
-    for (long i = 0; i < m; i++) p[i] = exp_neg(p[i] - mx);
-    float acc[LANES] = {0};
-    long i = 0;
-    for (; i + LANES <= m; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = acc[l] + p[i + l];
-    for (int l = 0; i < m; i++, l++) acc[l] = acc[l] + p[i];
-    const float denom = lane_sum(acc);
-    weighted_values(p, list, m, vc, hd, out);
-    for (long d = 0; d < hd; d++) out[d] = out[d] / denom;
+    float denom[RMAX];
+    for (int r = 0; r < R; r++) {
+        float *pr = p + r * pstride;
+        const float mx = scores(q + r * hd, kc, hd, list, m, scaling, pr);
+        for (long i = 0; i < m; i++) pr[i] = exp_neg(pr[i] - mx);
+        float acc[LANES] = {0};
+        long i = 0;
+        for (; i + LANES <= m; i += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] = acc[l] + pr[i + l];
+        for (int l = 0; i < m; i++, l++) acc[l] = acc[l] + pr[i];
+        denom[r] = lane_sum(acc);
+    }
+    weighted_values(R, p, pstride, list, m, vc, hd, out);
+    for (int r = 0; r < R; r++)
+        for (long d = 0; d < hd; d++) out[r * hd + d] = out[r * hd + d] / denom[r];
+}
+
+/* How many query heads of one key/value head to attend together: the most (up to RMAX, dividing `groups`)
+ * that still leaves every thread two work items; one where the pass is too small for that (a one-token step
+ * of a model with few key/value heads), so that no thread idles. */
+static int heads_together(long T, long n_heads, long groups, int threads) {
+    for (int R = RMAX; R > 1; R--)
+        if (groups % R == 0 && T * n_heads / R >= 2 * threads) return R;
+    return 1;
 }
 
 typedef struct {
@@ -392,13 +435,15 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
         }
     }
     const long nkeys = start + T;
+    const int R = heads_together(T, nh, groups, omp_get_num_threads());
+    const long per_t = groups / R; /* work items per token and key/value head */
 #pragma omp for schedule(static)
-    for (long th = 0; th < T * nh; th++) {
-        const long t = th / nh, hh = th % nh, g = hh / groups;
+    for (long it = 0; it < nkv * T * per_t; it++) { /* key/value head by key/value head: its cache stays hot */
+        const long g = it / (T * per_t), t = it / per_t % T, hh = g * groups + it % per_t * R;
         const uint8_t *allow = io->mask ? io->mask + t * nkeys : NULL;
         const long visible = io->mask ? nkeys : start + t + 1;
-        attend_row(q + (t * nh + hh) * hd, io->k + g * cap * hd, io->v + g * cap * hd, hd, visible, allow,
-                   (float)L->scaling, list, p, a + (t * nh + hh) * hd);
+        attend_rows(R, q + (t * nh + hh) * hd, io->k + g * cap * hd, io->v + g * cap * hd, hd, visible, allow,
+                    (float)L->scaling, list, p, nkeys, a + (t * nh + hh) * hd);
     }
     quantize(T, nh * hd, a, ps);
     matmul(&L->o, T, a, o, ps);
@@ -465,7 +510,7 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
 #pragma omp parallel
     {
         long *list = malloc((start + T) * sizeof(long));
-        float *p = malloc((start + T) * sizeof(float));
+        float *p = malloc(RMAX * (start + T) * sizeof(float));
         if (!list || !p) {
 #pragma omp atomic write
             failed = 1;

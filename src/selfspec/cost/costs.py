@@ -41,7 +41,9 @@ import torch
 from ..core.skipset import SkipSet
 from ..io import atomic_write_text, cache_dir
 
-PROFILE_VERSION = 6  # 5: forward_ms times verifications (all rows' logits), not last-row passes; 6: cheaper check
+# 5: forward_ms times verifications (all rows' logits), not last-row passes; 6: cheaper check;
+# 7: query heads of one key/value head attended together
+PROFILE_VERSION = 7
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
 PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MIN_AGREEMENT = 0.9  # a draft precision must reproduce at least this share of the full model's greedy tokens
