@@ -38,6 +38,7 @@ METHODS = [
     ("pld", {"draft_length": 3, "max_ngram": 2}),
     ("suffix", {"max_ngram": 2}),  # token trees from the history, verified by exact match
     ("auto", {"draft_dtype": "same"}),
+    ("lookahead", {}),  # Jacobi guesses under the same noise as the target's tokens
 ]
 
 

@@ -37,6 +37,9 @@ def test_vanilla_matches_transformers_generate(tiny):
         ("suffix", {}),
         ("suffix", {"max_ngram": 2, "max_nodes": 6, "store_tokens": 0}),
         ("auto", {"draft_dtype": "same", "schedule": "paper"}),
+        ("lookahead", {}),
+        ("lookahead", {"window": 2, "ngram": 2, "guesses": 0}),  # the smallest window, no pool
+        ("lookahead", {"window": 4, "ngram": 5, "guesses": 8}),
     ],
 )
 def test_speculative_equals_vanilla(tiny, method, options):

@@ -42,6 +42,7 @@ METHODS = [
     ("static", {"skip_set": {"attention": [3, 6, 9, 12, 15, 18, 21], "mlp": [4, 8, 12, 16, 20]}}),
     ("pld", {}),  # drafts copied from the history, length priced with measured costs
     ("suffix", {}),  # frequency-weighted trees from the history and the session's earlier outputs
+    ("lookahead", {}),  # n-grams of its own Jacobi iterations, generated and verified in one pass
 ]
 
 
@@ -65,7 +66,7 @@ def test_gemma3_long_prompt_all_methods_identical(gemma3):
     assert_vanilla_is_transformers(gemma3, item.prompt, ids, 32)
     base = selfspec.generate(gemma3, item.prompt, "vanilla", max_new_tokens=32)
     for method, options in [("asd", {}), ("static", {"skip_set": {"attention": [2, 5, 8, 11], "mlp": [3, 9]}}),
-                            ("pld", {"draft_length": 4})]:  # fmt: skip
+                            ("pld", {"draft_length": 4}), ("lookahead", {})]:  # fmt: skip
         out = selfspec.generate(gemma3, item.prompt, method, max_new_tokens=32, **options)
         assert out.token_ids == base.token_ids, (method, options)
 
@@ -126,7 +127,7 @@ def test_smollm2_sampling_is_exact(smollm2):
     assert chi_square_p(counts, exact_distribution(smollm2, params, prompt=prompt, new=3), n) > CORRECT_P
 
 
-SAMPLED_METHODS = [("asd", {}), ("swift", {}), ("pld", {}),
+SAMPLED_METHODS = [("asd", {}), ("swift", {}), ("pld", {}), ("lookahead", {}),
                    ("static", {"skip_set": {"attention": [3, 6, 9, 12], "mlp": [4, 8]}})]  # fmt: skip
 
 

@@ -272,6 +272,28 @@ METHODS["suffix"] = MethodSpec(
 )
 
 
+def _lookahead_drafter(opts: dict[str, Any]):
+    from .drafters.lookahead import LookaheadDrafter
+
+    return LookaheadDrafter(window=int(opts.get("window", 5)), ngram=int(opts.get("ngram", 3)),
+                            guesses=int(opts.get("guesses", 5)))  # fmt: skip
+
+
+# Lookahead decoding (Fu et al. 2024): Jacobi iterations in a window, their n-grams verified in the same pass
+METHODS["lookahead"] = MethodSpec(
+    "lookahead",
+    "lookahead decoding: n-grams from the model's own Jacobi iterations, generated and verified in one pass per "
+    "round (no draft pass; the peer in SWIFT's paper)",
+    {
+        "window": "W, the Jacobi window's columns (default 5; the paper's GPU setting for 7B models is 15)",
+        "ngram": "N, the n-gram size (default 3; the paper's 5): N - 1 levels of guesses",
+        "guesses": "G, most n-grams verified per round (default 5; the paper's 15)",
+    },
+    None,
+    _lookahead_drafter,
+)
+
+
 def _auto_drafter(opts: dict[str, Any]):
     from .drafters.hybrid import HybridDrafter
 

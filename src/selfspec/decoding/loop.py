@@ -193,7 +193,9 @@ class Decoder:
                 tree = outcome.tree if outcome is not None else None
                 logits = self._verify(cache, c, token, tree)  # [T, V]
                 # 3. accept the longest path the full model agrees with (or keeps), plus its next token
-                path, bonus = self._accept(tree, logits, history)
+                path, bonus, choices = self._accept(tree, logits, history)
+                if choices is not None and self._verified is not None:  # lookahead's next Jacobi iteration
+                    self._verified(outcome, choices, path)
                 t3 = time.perf_counter()
                 # 4. commit the accepted path's cache entries; stop at EOS or at the length limit
                 cache.move([c + n for n in path], c)
@@ -227,6 +229,7 @@ class Decoder:
 
     def _bind(self, cosine: SublayerCosine | None) -> SkipSet | None:
         """Before the first round: the skip policy's first set, and the drafter bound to it."""
+        self._verified = getattr(self.drafter, "verified", None)  # wants the full model's token after each node
         if self.drafter is None:
             return None
         begin = getattr(self.drafter, "begin", None)  # a drafter with per-generation statistics (hybrid)
@@ -272,19 +275,22 @@ class Decoder:
         check_finite(logits, "verification")
         return logits
 
-    def _accept(self, tree: DraftTree | None, logits: torch.Tensor, history: list[int]) -> tuple[list[int], int]:
-        """(accepted path, bonus); ``history``: prompt and new tokens so far, the tree's root last."""
+    def _accept(self, tree: DraftTree | None, logits: torch.Tensor,
+                history: list[int]) -> tuple[list[int], int, list[int] | None]:  # fmt: skip
+        """(accepted path, bonus, the full model's token after each node where acceptance is by exact match);
+        ``history``: prompt and new tokens so far, the tree's root last."""
         sampler = self._sampler
         if tree is None or len(tree) == 1:
-            return [0], sampler.next_token(logits[-1], history)
+            return [0], sampler.next_token(logits[-1], history), None
         if sampler.params.penalised:  # each node's history runs through its own path
             histories = [[*history, *(tree.tokens[n] for n in tree.path_to(node)[1:])] for node in range(len(tree))]
         else:
             histories = [history] * len(tree)
         if sampler.records_q:
-            return accept_sampling(tree, sampler.probs(logits, histories), sampler.generator)
+            return (*accept_sampling(tree, sampler.probs(logits, histories), sampler.generator), None)
         first = sampler.position(len(history))  # output position of the token after the root
-        return accept_greedy(tree, sampler.choose(logits, [first + d for d in tree.depths], histories))
+        choices = sampler.choose(logits, [first + d for d in tree.depths], histories)
+        return (*accept_greedy(tree, choices), choices)
 
     def _observe(self, outcome: DraftOutcome | None, path: list[int], tokens: int, tally: _Tally,
                  times: tuple[float, float, float, float]) -> None:  # fmt: skip
