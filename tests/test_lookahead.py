@@ -28,7 +28,8 @@ def test_the_tree_holds_the_window_and_the_pools_ngrams_for_the_root():
     paths = {tuple(tree.tokens[n] for n in tree.path_to(leaf)) for leaf, kids in enumerate(tree.children) if not kids}
     # verification branch: the root's n-grams; lookahead branch: column i's levels below level 0's chain up to i
     assert paths == {(7, 30, 31), (7, 40, 41), (7, 20), (7, 11, 21), (7, 11, 12, 22)}
-    assert len(tree) == d.max_nodes  # 1 + (W - 1) + W (N - 2) + G (N - 1)
+    assert len(tree) == 1 + (3 - 1) + 3 * (3 - 2) + 2 * (3 - 1)  # 1 + (W - 1) + W (N - 2) + G (N - 1)
+    assert d.max_nodes >= len(tree)
 
 
 def test_equal_guesses_under_one_parent_are_one_node():
@@ -40,7 +41,7 @@ def test_equal_guesses_under_one_parent_are_one_node():
     for kids in tree.children:
         toks = [tree.tokens[k] for k in kids]
         assert len(toks) == len(set(toks))
-    assert len(tree) < d.max_nodes
+    assert len(tree) < 1 + (3 - 1) + 3 * (3 - 2) + 2 * (3 - 1)
 
 
 def test_each_columns_trajectory_enters_the_pool_and_the_window_moves_on():
@@ -93,3 +94,11 @@ def test_the_rejection_scheme_is_refused_with_the_way_out():
     with pytest.raises(InvalidInputError, match="coupled"):
         selfspec.generate(model, "abcabc", "lookahead", max_new_tokens=8, temperature=0.8,
                           sampling_scheme="rejection")
+
+
+def test_the_window_is_sized_for_the_device_unless_given():
+    assert LookaheadDrafter()._resolved("cpu") == (3, 2, 3)
+    assert LookaheadDrafter()._resolved("cuda") == (15, 5, 15)  # the paper's setting, where compute is spare
+    assert LookaheadDrafter(window=4)._resolved("cuda") == (4, 5, 15)
+    d = LookaheadDrafter()
+    assert d.max_nodes == 1 + 14 + 15 * 3 + 15 * 4  # the cache has room for either before the device is known

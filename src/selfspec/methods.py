@@ -275,8 +275,8 @@ METHODS["suffix"] = MethodSpec(
 def _lookahead_drafter(opts: dict[str, Any]):
     from .drafters.lookahead import LookaheadDrafter
 
-    return LookaheadDrafter(window=int(opts.get("window", 5)), ngram=int(opts.get("ngram", 3)),
-                            guesses=int(opts.get("guesses", 5)))  # fmt: skip
+    sizes = {k: int(opts[k]) for k in ("window", "ngram", "guesses") if k in opts}
+    return LookaheadDrafter(**sizes)
 
 
 # Lookahead decoding (Fu et al. 2024): Jacobi iterations in a window, their n-grams verified in the same pass
@@ -285,9 +285,9 @@ METHODS["lookahead"] = MethodSpec(
     "lookahead decoding: n-grams from the model's own Jacobi iterations, generated and verified in one pass per "
     "round (no draft pass; the peer in SWIFT's paper)",
     {
-        "window": "W, the Jacobi window's columns (default 5; the paper's GPU setting for 7B models is 15)",
-        "ngram": "N, the n-gram size (default 3; the paper's 5): N - 1 levels of guesses",
-        "guesses": "G, most n-grams verified per round (default 5; the paper's 15)",
+        "window": "W, the Jacobi window's columns (default 3 on a CPU, else the paper's 15)",
+        "ngram": "N, the n-gram size: N - 1 levels of guesses (default 2 on a CPU, else the paper's 5)",
+        "guesses": "G, most n-grams verified per round (default 3 on a CPU, else the paper's 15)",
     },
     None,
     _lookahead_drafter,
