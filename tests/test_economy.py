@@ -27,8 +27,20 @@ def test_profile_interpolates_and_predicts_draft_cost():
     assert prof.forward(3) == pytest.approx(21.0)
     assert prof.forward(12) == pytest.approx(60.0)
     assert prof.forward(24) == pytest.approx(120.0)  # extrapolated with the last slope
-    assert prof.draft_step(SkipSet()) == pytest.approx(2.0 + 10 * 0.5 + 10 * 1.0)
+    assert prof.draft_step(SkipSet()) == prof.forward(1)  # nothing skipped: a full pass, the whole head
     assert prof.draft_step(SkipSet.of([0, 1], [0])) == pytest.approx(2.0 + 8 * 0.5 + 9 * 1.0)
+
+
+def test_sublayer_costs_come_from_draft_passes_alone():
+    """base 0.7 ms, 0.05 per attention and 0.08 per MLP sublayer, 18 layers, 9 of a kind left out: the three
+    draft passes give back the parts (a full pass, with the whole head, is not one of them)."""
+    from selfspec.cost.costs import _sublayer_costs
+
+    L, h, a, m, base = 18, 9, 0.05, 0.08, 0.7
+    c = _sublayer_costs(base, base + (L - h) * a + L * m, base + L * a + (L - h) * m, L, h, 1.0)
+    assert (c.attention_ms, c.mlp_ms, c.base_ms) == pytest.approx((a, m, base))
+    noisy = _sublayer_costs(base, base - 0.01, base + 0.5, L, h, 1.0)  # a pass timed below the base: no negatives
+    assert noisy.attention_ms >= 0 and noisy.mlp_ms >= 0
 
 
 def test_best_precision_needs_agreement_and_a_real_saving():
