@@ -68,11 +68,12 @@ def test_non_finite_draft_logits_fall_back_to_plain_decoding(monkeypatch):
     real = engine.forward
 
     def broken_draft(*args, **kwargs):
-        logits = real(*args, **kwargs)
+        out = real(*args, **kwargs)
+        logits, vocab = out if kwargs.get("subset") else (out, None)
         skip = kwargs.get("skip")
         if skip is not None and len(skip):  # draft passes only: the full model stays sound
             logits = torch.full_like(logits, float("nan"))
-        return logits
+        return (logits, vocab) if kwargs.get("subset") else logits
 
     monkeypatch.setattr(engine, "forward", broken_draft)
     # model-precision drafts and fixed or confidence lengths: no cost profile is measured (with broken drafts)

@@ -85,7 +85,8 @@ class Engine:
         adapters: dict | None = None,
         prefill: bool = False,
         argmax_only: bool = False,
-    ) -> torch.Tensor:
+        subset: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
 
         The new tokens are written at cache slots ``[start, start+T)`` and attend
@@ -101,6 +102,8 @@ class Engine:
         linear layers (see :func:`selfspec.core.kernels.draft_adapters`).
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
         ``argmax_only``: the argmax token ids ``[T]`` instead of the logits (scoring a window of drafts).
+        ``subset`` (drafts): ``(logits, ids)``, a draft's logits over the draft vocabulary only and their token
+        ids (``ids`` None: the whole vocabulary), sparing a draft step the work on a ``[T, V]`` tensor.
         ``prefill`` (the prompt, which every method passes alike) lets quantised products of many rows take a
         faster path whose rows are not bit-equal to one-token products (see :func:`selfspec.core.quant.bulk_rows`).
         """
@@ -109,14 +112,14 @@ class Engine:
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only,
                     cosine_out=cosine_out, visible=visible, precision=precision, input_embeds=input_embeds,
-                    adapters=adapters, argmax_only=argmax_only,
+                    adapters=adapters, argmax_only=argmax_only, subset=subset,
                 )  # fmt: skip
         if precision is not None or adapters is not None:
             with kernels.draft_precision(precision), kernels.draft_adapters(adapters):
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask,
                     last_only=last_only, cosine_out=cosine_out, visible=visible, input_embeds=input_embeds,
-                    argmax_only=argmax_only,
+                    argmax_only=argmax_only, subset=subset,
                 )  # fmt: skip
         T = input_ids.shape[0]
         if positions is None:
@@ -137,7 +140,7 @@ class Engine:
                                 prompt=prompt)  # fmt: skip
             if cos is not None:
                 cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
-            return self._head(h, last_only, argmax_only, draft)
+            return self._head(h, last_only, argmax_only, draft, subset)
         kv = cache.writer(start)
         attn_cos = [float("nan")] * self.num_layers
         mlp_cos = [float("nan")] * self.num_layers
@@ -154,9 +157,10 @@ class Engine:
                 h = h_new
         if collect:
             cosine_out.append(SublayerCosine(tuple(attn_cos), tuple(mlp_cos)))
-        return self._head(h, last_only, argmax_only, draft)
+        return self._head(h, last_only, argmax_only, draft, subset)
 
-    def _head(self, h: torch.Tensor, last_only: bool, argmax_only: bool, draft: bool = False) -> torch.Tensor:
+    def _head(self, h: torch.Tensor, last_only: bool, argmax_only: bool, draft: bool = False,
+              subset: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         adapter = self.adapter
         if last_only:
             h = h[:, -1:]
@@ -164,7 +168,11 @@ class Engine:
             sub = adapter.draft_head(h, self.draft_vocab)
             if argmax_only:
                 return self.draft_vocab.token_ids(sub.argmax(-1))
+            if subset:
+                return sub, self.draft_vocab.ids[: self.draft_vocab.size]
             return self.draft_vocab.scatter(sub)
+        if subset:
+            return self._head(h, False, argmax_only, draft), None
         if argmax_only:  # the head a few rows at a time: never a [T, V] tensor (V = 262k for Gemma 3)
             rows = h.shape[1]
             return torch.cat([adapter.head(h[:, i : i + HEAD_ROWS])[0].argmax(-1) for i in range(0, rows, HEAD_ROWS)])

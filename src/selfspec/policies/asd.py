@@ -226,17 +226,20 @@ class Learner:
         r.damage = option.damage
 
 
-def choose(options: list[Option], estimates: list[tuple[float, float]], verify: list[float], reach: int) -> Choice:
+def choose(options: list[Option], estimates: list[tuple[float, float]], verify: list[float], reach: int,
+           cost_scale: float = 1.0) -> Choice:  # fmt: skip
     """The best option by expected speedup at its mean acceptance, then UCB among it and its neighbours.
 
     ``options`` are ordered from conservative to aggressive; ``estimates`` are
-    (mean, upper bound) acceptances.  ``pays``: the pick's bound predicts a
-    speedup of at least 1 (otherwise the round should not draft).
+    (mean, upper bound) acceptances; ``cost_scale`` corrects every option's c
+    (what the rounds measured against the profile).  ``pays``: the pick's bound
+    predicts a speedup of at least 1 (otherwise the round should not draft).
     """
-    means = [expected_speedup(m, o.cost, verify) for o, (m, _) in zip(options, estimates, strict=True)]
+    costs = [o.cost * cost_scale for o in options]
+    means = [expected_speedup(m, c, verify) for c, (m, _) in zip(costs, estimates, strict=True)]
     best = max(range(len(options)), key=lambda i: means[i])
     near = range(max(0, best - reach), min(len(options), best + reach + 1))
-    bounds = {i: expected_speedup(estimates[i][1], options[i].cost, verify) for i in near}
+    bounds = {i: expected_speedup(estimates[i][1], costs[i], verify) for i in near}
     pick = max(near, key=lambda i: (bounds[i], means[i]))
     return Choice(pick, bounds[pick] >= 1.0, means[pick], bounds[pick])
 
@@ -268,6 +271,7 @@ class AutoAsdPolicy:
         self._gap = self.config.explore_every
         self._open = False  # this round drafts
         self._current: int | None = None  # the option used this round
+        self._drafter = None
 
     @property
     def needs_profile(self) -> bool:
@@ -292,6 +296,7 @@ class AutoAsdPolicy:
         self._verify = [self.profile.forward(k + 1) / one for k in range(1, max_draft + 1)]
         if isinstance(getattr(drafter, "length", None), DraftGate):
             drafter.length.gate = self.drafting
+        self._drafter = drafter  # its economy measures what draft steps and verifications really cost
 
     def drafting(self) -> bool:
         """The gate: whether the current round drafts."""
@@ -347,13 +352,18 @@ class AutoAsdPolicy:
             options.append(Option(key, skip, profile.draft_ratio(skip, self._precision), damage(skip, cosine)))
         options.sort(key=lambda o: (-o.cost, o.damage))
         self.options = options
-        self._can_pay = any(expected_speedup(1.0, o.cost, self._verify) >= 1.0 for o in options)
+
+    def _cost_scale(self) -> float:
+        """The drafter's measured correction of the profile's c (1 before any round measured it)."""
+        econ = getattr(self._drafter, "economy", None)
+        return econ.cost_correction() if econ is not None and econ.profile is self.profile else 1.0
 
     def _rechoose(self) -> None:
         if not self.options:
             self.choice = None
             return
-        scale = self.learner.scale()
+        scale, cost_scale = self.learner.scale(), self._cost_scale()
+        self._can_pay = any(expected_speedup(1.0, o.cost * cost_scale, self._verify) >= 1.0 for o in self.options)
         ceiling = self.profile.drafts[self._precision].agreement
         estimates = [self.learner.estimate(o, ceiling, scale) for o in self.options]
-        self.choice = choose(self.options, estimates, self._verify, self.config.reach)
+        self.choice = choose(self.options, estimates, self._verify, self.config.reach, cost_scale)
