@@ -75,6 +75,10 @@ class Economy:
     draft_scale: float = 1.0  # measured / predicted ms of a draft step, whatever the skip set (kept on rebind)
     first_token_acceptance: float | None = None  # running mean: is drafting worth it at all?
     rounds: int = 0
+    plain_round_ms: float | None = None  # running mean of a round without a draft (one token), as measured
+    draft_gain: float | None = None  # running mean of drafting rounds' tokens per plain round's time
+    draft_rounds: int = 0
+    GAIN_SMOOTHING = 0.2  # weight of the newest drafting round in draft_gain
 
     def __post_init__(self) -> None:
         if self.ms_per_token <= 0:
@@ -90,6 +94,11 @@ class Economy:
 
     def verify_ms(self, tokens: int) -> float:
         return self.verify_scale * self.profile.forward(tokens)
+
+    def drafting_loses(self, rounds: int = 4) -> bool:
+        """Whether drafting rounds, as measured over at least ``rounds`` of them, earn fewer tokens per unit
+        of time than plain rounds do (the rounds' clock, not a model of it, has the last word)."""
+        return self.draft_rounds >= rounds and self.draft_gain is not None and self.draft_gain < 1.0
 
     def cost_correction(self) -> float:
         """By how much the profile's draft-step ratio c is off, as the rounds measure it: what a draft step
@@ -143,10 +152,16 @@ class Economy:
         self.rounds += 1
         if tokens > 0 and round_ms > 0:
             self.ms_per_token = _ema(self.ms_per_token, round_ms / tokens, w)
+        if draft_steps == 0 and verified == 1 and round_ms > 0:
+            self.plain_round_ms = _ema(self.plain_round_ms, round_ms, w)
         if draft_steps > 0:
             self.draft_ms = _ema(self.draft_ms, draft_ms / draft_steps, w)
             if self.draft_ms_predicted > 0:
                 self.draft_scale = _ema(self.draft_scale, draft_ms / draft_steps / self.draft_ms_predicted, w)
+            if round_ms > 0:
+                plain = self.plain_round_ms or self.verify_scale * self.profile.forward(1)
+                self.draft_gain = _ema(self.draft_gain, tokens * plain / round_ms, self.GAIN_SMOOTHING)
+                self.draft_rounds += 1
         predicted = self.profile.forward(verified)
         if predicted > 0 and verify_ms > 0:
             self.verify_scale = _ema(self.verify_scale, verify_ms / predicted, w)

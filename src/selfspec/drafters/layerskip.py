@@ -124,7 +124,8 @@ class FixedDraftLength(LengthPolicy):
 
 @dataclass
 class CostAwareExit(LengthPolicy):
-    """Draft while the next token is worth its cost; skip drafting in rounds where even one is not.
+    """Draft while the next token is worth its cost; skip drafting in rounds where even one is not, or
+    where drafting rounds have been measured to lose time against plain ones (:meth:`Economy.drafting_loses`).
 
     After a round without drafting, every ``explore_every``-th round drafts
     anyway, so that a draft model that got better (SWIFT found a better skip
@@ -142,7 +143,7 @@ class CostAwareExit(LengthPolicy):
     def begin_round(self) -> bool:
         self._path_prob = 1.0
         econ = self.economy
-        if econ is None or econ.worth_drafting():
+        if econ is None or (econ.worth_drafting() and not econ.drafting_loses()):
             self._idle_rounds = 0
             return True
         self._idle_rounds += 1

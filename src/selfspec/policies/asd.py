@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.skipset import SkipSet
@@ -366,4 +366,8 @@ class AutoAsdPolicy:
         self._can_pay = any(expected_speedup(1.0, o.cost * cost_scale, self._verify) >= 1.0 for o in self.options)
         ceiling = self.profile.drafts[self._precision].agreement
         estimates = [self.learner.estimate(o, ceiling, scale) for o in self.options]
-        self.choice = choose(self.options, estimates, self._verify, self.config.reach, cost_scale)
+        choice = choose(self.options, estimates, self._verify, self.config.reach, cost_scale)
+        econ = getattr(self._drafter, "economy", None)
+        if choice.pays and econ is not None and econ.profile is self.profile and econ.drafting_loses():
+            choice = replace(choice, pays=False)  # predicted to pay, measured to lose: explore only
+        self.choice = choice
