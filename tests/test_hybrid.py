@@ -14,6 +14,7 @@ from selfspec.decoding.protocols import DraftOutcome
 from selfspec.decoding.trees import DraftTree
 from selfspec.drafters.hybrid import HybridDrafter
 from selfspec.drafters.lookup import PromptLookupDrafter
+from selfspec.errors import InvalidInputError
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on"
 
@@ -74,7 +75,9 @@ def test_the_measured_gain_of_layer_skip_rounds_decides_against_a_weak_lookup():
     assert out is drafted and lookup.last_gain < hybrid.skip_gain
 
 
-@pytest.mark.parametrize("options", [{}, {"draft_dtype": "same", "schedule": "paper", "max_ngram": 2}])
+@pytest.mark.parametrize(
+    "options", [{}, {"layerskip": "swift", "draft_dtype": "same", "schedule": "paper", "max_ngram": 2}]
+)
 def test_auto_equals_vanilla_and_uses_both_sources(tiny_llama, options):
     base = selfspec.generate(tiny_llama, PROMPT, "vanilla", max_new_tokens=48)
     session = selfspec.Session(tiny_llama, "auto", **options)
@@ -123,3 +126,13 @@ def test_a_losing_layer_skip_source_sits_out_but_still_explores():
         if layerskip.calls > calls:
             explored_at.append(r)
     assert explored_at == [sum(w + 1 for w in waits[: i + 1]) - 1 for i in range(len(waits))]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"schedule": "paper"}, "schedule applies to layerskip=swift"),
+    ({"layerskip": "swift", "explore_every": 4}, "explore_every applies to layerskip=asd"),
+    ({"layerskip": "eagle"}, "layerskip must be 'asd' or 'swift'"),
+])
+def test_auto_refuses_the_other_layer_skip_sources_options(tiny_llama, options, message):
+    with pytest.raises(InvalidInputError, match=message):
+        selfspec.Session(tiny_llama, "auto", **options)

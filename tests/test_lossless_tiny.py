@@ -36,7 +36,8 @@ def test_vanilla_matches_transformers_generate(tiny):
         ("pld", {"max_ngram": 2, "min_ngram": 1, "draft_length": 1}),
         ("suffix", {}),
         ("suffix", {"max_ngram": 2, "max_nodes": 6, "store_tokens": 0}),
-        ("auto", {"draft_dtype": "same", "schedule": "paper"}),
+        ("auto", {"draft_dtype": "same"}),  # ASD's choice as the layer-skip source
+        ("auto", {"layerskip": "swift", "draft_dtype": "same", "schedule": "paper"}),
         ("lookahead", {}),
         ("lookahead", {"window": 2, "ngram": 2, "guesses": 0}),  # the smallest window, no pool
         ("lookahead", {"window": 4, "ngram": 5, "guesses": 8}),

@@ -206,7 +206,7 @@ METHODS = {
                              "draft_dtype": "same", "context_window": 4}),  # fmt: skip
     "pld": ("pld", {"draft_length": 2, "max_ngram": 1}),  # point-mass drafts looked up in the history
     "suffix": ("suffix", {"max_ngram": 1}),  # the tree's most frequent chain, point masses
-    "auto": ("auto", {"schedule": "paper", "epsilon": 0.0, "max_draft": 3, "draft_dtype": "same",
+    "auto": ("auto", {"layerskip": "swift", "schedule": "paper", "epsilon": 0.0, "max_draft": 3, "draft_dtype": "same",
                       "context_window": 4, "max_ngram": 1}),  # fmt: skip
 }
 

@@ -294,6 +294,19 @@ METHODS["lookahead"] = MethodSpec(
 )
 
 
+def _auto_source(opts: dict[str, Any]) -> str:
+    """The hybrid's layer-skip source: 'asd' (default) or 'swift'; options of the other one are refused."""
+    source = str(opts.get("layerskip", "asd"))
+    if source not in ("asd", "swift"):
+        raise InvalidInputError(f"layerskip must be 'asd' or 'swift', got {source!r}")
+    own = {"asd": set(METHODS["asd"].options), "swift": set(METHODS["swift"].options)}
+    foreign = sorted(k for k in opts if k in own["asd" if source == "swift" else "swift"] - own[source]
+                     and k not in AUTO_OWN_OPTIONS)  # fmt: skip
+    if foreign:
+        raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={'swift' if source == 'asd' else 'asd'}")
+    return source
+
+
 def _auto_drafter(opts: dict[str, Any]):
     from .drafters.hybrid import HybridDrafter
 
@@ -302,25 +315,41 @@ def _auto_drafter(opts: dict[str, Any]):
         raise ValueError(f"ngram must be 'suffix' or 'pld', got {ngram!r}")
     shared = {k: opts[k] for k in ("max_ngram", "min_ngram") if k in opts}
     lookup = _suffix_drafter(shared) if ngram == "suffix" else _pld_drafter(shared)
-    return HybridDrafter(lookup, _swift_drafter(opts))
+    layerskip = _asd_drafter(_asd_options(opts)) if _auto_source(opts) == "asd" else _swift_drafter(opts)
+    return HybridDrafter(lookup, layerskip)
 
 
-# The hybrid: prompt lookup and SWIFT's self-drafts, one source per round by expected gain
-def _auto_skip(opts: dict[str, Any]) -> SwiftPolicy:
-    return _swift({"budget": AUTO_SEARCH_BUDGET, **opts})
+def _asd_options(opts: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in opts.items() if k in METHODS["asd"].options}
+
+
+# The hybrid: an n-gram source and a layer-skip self-draft, one source per round by expected gain.  Its
+# layer-skip source is ASD's automatic choice by default: on the built-in (quantised) models a draft's saving is
+# mostly its head (the draft vocabulary) and the sublayers worth keeping are nearly all of them, which ASD's
+# cosine ranking finds at once (Gemma 3, 12 Spec-Bench prompts: asd 1.26x, swift 0.93x; its search found sets
+# skipping MLP sublayers, accepted a third as often); SWIFT's on-line search stays one option away.
+def _auto_skip(opts: dict[str, Any]):
+    if _auto_source(opts) == "asd":
+        return _asd(_asd_options(opts))
+    return _swift({"budget": AUTO_SEARCH_BUDGET, **{k: v for k, v in opts.items() if k in METHODS["swift"].options}})
 
 
 # SWIFT's search within the hybrid gets a smaller share of the time: a scoring pass costs ~10 decoding steps on
 # our quantised models, where the lookup source usually pays more than any skip set (measured, README); at 0.03
 # the search (mostly rescoring the best set on each new prompt) was the whole of auto's gap to its n-gram source
 AUTO_SEARCH_BUDGET = 0.015
+AUTO_OWN_OPTIONS = ("layerskip", "max_ngram", "min_ngram", "ngram", "draft_dtype", "max_draft")
 
 METHODS["auto"] = MethodSpec(
     "auto",
-    "hybrid: each round, prompt lookup or SWIFT's layer-skip draft, whichever is expected to pay more (default)",
+    "hybrid: each round, the n-gram source (suffix trees) or a layer-skip self-draft (ASD's automatic choice, or "
+    "SWIFT's), whichever is expected to pay more (default)",
     {
         **{k: v for k, v in METHODS["swift"].options.items() if k not in ("draft_length",)},
-        "budget": f"most skip-set search time as a share of decoding time (default {AUTO_SEARCH_BUDGET})",
+        **{k: v for k, v in METHODS["asd"].options.items() if k not in ("draft_length",) + ASD_PINNED + ("preset",)},
+        "budget": f"layerskip=swift: most skip-set search time as a share of decoding time (default "
+        f"{AUTO_SEARCH_BUDGET})",
+        "layerskip": "the layer-skip source: asd (default: ASD's automatic choice) or swift (its on-line search)",
         "max_ngram": METHODS["pld"].options["max_ngram"],
         "min_ngram": METHODS["pld"].options["min_ngram"],
         "ngram": "the n-gram source: suffix (default: trees over the text and the session's outputs) or pld",

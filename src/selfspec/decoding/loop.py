@@ -308,7 +308,7 @@ class Decoder:
                 tally.draft_pass_time += t2 - t1
             tally.accepted += len(path) - 1
             tally.accept_lengths.append(len(path) - 1)
-            if self.skip_policy is not None:
+            if self.skip_policy is not None and passes:  # a layer-skip draft (not a hybrid's n-gram round)
                 self.skip_policy.observe(outcome.steps, len(path) - 1)
         self.drafter.observe(outcome, path, tokens=tokens, round_ms=1000 * (time.perf_counter() - t1),
                              draft_ms=1000 * (t2 - t1), verify_ms=1000 * (t3 - t2))  # fmt: skip

@@ -34,7 +34,10 @@ from ..errors import SelfspecError
 from ..model.models import Model
 from .metrics import Metrics
 
-STATEFUL = ("swift", "auto")  # methods whose learned state goes into the state file
+
+def stateful(method: str, options: dict) -> bool:
+    """Whether the method's learned state goes into the state file: SWIFT's search, also as auto's source."""
+    return method == "swift" or (method == "auto" and options.get("layerskip") == "swift")
 
 
 @dataclass
@@ -147,7 +150,7 @@ class Worker:
     def session(self, method: str) -> Session:
         if method not in self._sessions:
             options = dict(self.options) if method == self.method else {}
-            if method in STATEFUL and self.state_path is not None:
+            if stateful(method, options) and self.state_path is not None:
                 options["state"] = str(self.state_path)
             self._sessions[method] = Session(self.model, method, **options)
         return self._sessions[method]
