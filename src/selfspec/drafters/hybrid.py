@@ -104,8 +104,9 @@ class HybridDrafter:
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip
         source = self._source
-        if source is None:  # a plain round: what one token's verification costs now, for the lookup's pricing
-            self.lookup.observe(None, path, tokens=tokens, round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms)
+        if source is None:  # a plain round: what one token costs now, for both sources' pricing
+            for drafter in (self.lookup, self.layerskip):
+                drafter.observe(None, path, tokens=tokens, round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms)
             return
         drafter = self.lookup if source == "lookup" else self.layerskip
         drafter.observe(outcome, path, tokens=tokens, round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms)

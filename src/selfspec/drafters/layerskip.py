@@ -233,7 +233,38 @@ def broken_draft(logits: torch.Tensor) -> bool:
     return not bool(torch.isfinite(logits.amax(-1)).all())
 
 
-# Long (~70 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
+def _draft_distribution(engine, logits: torch.Tensor, vocab: torch.Tensor | None, sampler: Sampler,
+                        history: Sequence[int], drafted: list[int]):  # fmt: skip
+    """(q, its token ids, q over the whole vocabulary or None) of one draft step.  Greedy drafts keep the
+    draft vocabulary's logits alone (``vocab``: their ids; a softmax and top-k over Gemma 3's 262k-token
+    vocabulary cost 0.6 ms a step); sampled ones warp q over the whole vocabulary, as the full model's p."""
+    if sampler.greedy:
+        return logits[-1].float().softmax(-1), vocab, None
+    full = logits if vocab is None else engine.draft_vocab.scatter(logits)
+    q = sampler.draft_distribution(full[-1], sampler.extend(history, drafted))  # [V]
+    return q, None, q
+
+
+def _leaf_count(q: torch.Tensor, tree: TreePolicy | None, path_prob: float, size: int, n_leaves: int) -> int:
+    """How many alternatives join the chain at this depth (the tree policy reads q's largest probabilities)."""
+    if tree is None or n_leaves >= tree.max_leaves:
+        return 0
+    room = min(MAX_WIDTH - 1, tree.max_leaves - n_leaves)
+    return tree.leaves(q.topk(min(MAX_WIDTH, q.shape[-1])).values.tolist(), path_prob, size, room)
+
+
+def _draws(q: torch.Tensor, vocab: torch.Tensor | None, sampler: Sampler, k: int, t: int):
+    """Up to ``k`` candidates, best first, as token ids, and their draft probabilities (see
+    :meth:`Sampler.draft_tokens`; greedy: q's top k)."""
+    if sampler.greedy:
+        top = q.topk(min(k, q.shape[-1]))
+        ids = top.indices if vocab is None else vocab[top.indices]
+        return ids.tolist(), top.values.tolist()
+    draws = sampler.draft_tokens(q, k, t=t)
+    return draws, [float(q[tok]) for tok in draws]
+
+
+# Long (~65 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
 # probability); kept in one function so that the sampling-correctness argument can be read in one place.
 @torch.inference_mode()
 def draft_round(
@@ -268,43 +299,21 @@ def draft_round(
     tokens, parents = [root], [-1]
     qs: list[torch.Tensor | None] = [None]  # per node: the draft distribution its children were drawn from
     chain_probs: list[float] = []
-    leaf_nodes: list[tuple[int, list[int]]] = []  # (chain node, its extra children), placed after the chain
+    leaf_nodes: list[tuple[int, list[tuple[int, float]]]] = []  # (chain node, its extra children with their q)
     n_leaves = 0
     path_prob = 1.0  # P(the chain so far is kept), by the economy's calibration (1 without one)
     while len(chain_probs) < budget:
         parent = len(tokens) - 1
         ids = torch.tensor([tokens[parent]], dtype=torch.long, device=device)
-        # greedy drafts read the draft vocabulary's logits alone (``subset``): a softmax and top-k over Gemma 3's
-        # 262k-token vocabulary cost 0.6 ms a step; sampled ones need q over the whole vocabulary
         logits, vocab = engine.forward(cache, ids, start + parent, skip=skip, last_only=True, precision=precision,
                                        subset=True)  # fmt: skip
         if broken_draft(logits[-1]):
             if not chain_probs:
                 return None
             break  # keep the chain drafted so far
-        if sampler.greedy:
-            q, q_full = logits[-1].float().softmax(-1), None  # [V'] over the draft's vocabulary
-        else:
-            full = logits if vocab is None else engine.draft_vocab.scatter(logits)
-            q_full = sampler.draft_distribution(full[-1], sampler.extend(history, tokens[1:]))  # [V]
-            q, vocab = q_full, None
-        want = 1
-        if tree is not None and n_leaves < tree.max_leaves:
-            room = min(MAX_WIDTH - 1, tree.max_leaves - n_leaves)
-            want = min(MAX_WIDTH, q.shape[-1])
-            top = q.topk(want)
-            extra = tree.leaves(top.values.tolist(), path_prob, len(tokens) + n_leaves + 1, room)
-        else:
-            top, extra = None, 0
-        if sampler.greedy:  # q's top tokens, best first, as vocabulary ids
-            if top is None:
-                top = q.topk(1)
-            picked = top.indices[: 1 + extra]
-            draws = (picked if vocab is None else vocab[picked]).tolist()
-            probs = top.values[: 1 + extra].tolist()
-        else:
-            draws = sampler.draft_tokens(q_full, 1 + extra, t=first_t + parent)
-            probs = [float(q_full[tok]) for tok in draws]
+        q, vocab, q_full = _draft_distribution(engine, logits, vocab, sampler, history, tokens[1:])
+        extra = _leaf_count(q, tree, path_prob, len(tokens) + n_leaves + 1, n_leaves)
+        draws, probs = _draws(q, vocab, sampler, 1 + extra, first_t + parent)
         qs[parent] = q_full
         if len(draws) > 1:
             leaf_nodes.append((parent, list(zip(draws[1:], probs[1:], strict=True))))
