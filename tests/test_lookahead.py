@@ -82,7 +82,9 @@ def test_lookahead_accepts_its_own_ngrams_on_repetitive_text():
     assert out.stats.accepted > 0 and out.stats.forwards < base.stats.forwards
 
 
-@pytest.mark.parametrize("options", [{"window": 0}, {"ngram": 1}, {"guesses": -1}, {"window": 1, "ngram": 2}])
+@pytest.mark.parametrize(
+    "options", [{"window": 0}, {"ngram_size": 1}, {"guesses": -1}, {"window": 1, "ngram_size": 2}]
+)
 def test_bad_window_sizes_are_refused(options):
     model = tiny_model("llama")
     with pytest.raises(InvalidInputError, match="lookahead needs"):

@@ -39,8 +39,8 @@ def test_vanilla_matches_transformers_generate(tiny):
         ("auto", {"draft_dtype": "same"}),  # ASD's choice as the layer-skip source
         ("auto", {"layerskip": "swift", "draft_dtype": "same", "schedule": "paper"}),
         ("lookahead", {}),
-        ("lookahead", {"window": 2, "ngram": 2, "guesses": 0}),  # the smallest window, no pool
-        ("lookahead", {"window": 4, "ngram": 5, "guesses": 8}),
+        ("lookahead", {"window": 2, "ngram_size": 2, "guesses": 0}),  # the smallest window, no pool
+        ("lookahead", {"window": 4, "ngram_size": 5, "guesses": 8}),
     ],
 )
 def test_speculative_equals_vanilla(tiny, method, options):

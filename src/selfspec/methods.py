@@ -275,8 +275,8 @@ METHODS["suffix"] = MethodSpec(
 def _lookahead_drafter(opts: dict[str, Any]):
     from .drafters.lookahead import LookaheadDrafter
 
-    sizes = {k: int(opts[k]) for k in ("window", "ngram", "guesses") if k in opts}
-    return LookaheadDrafter(**sizes)
+    sizes = {k: int(opts[k]) for k in ("window", "ngram_size", "guesses") if k in opts}
+    return LookaheadDrafter(window=sizes.get("window"), ngram=sizes.get("ngram_size"), guesses=sizes.get("guesses"))
 
 
 # Lookahead decoding (Fu et al. 2024): Jacobi iterations in a window, their n-grams verified in the same pass
@@ -286,7 +286,7 @@ METHODS["lookahead"] = MethodSpec(
     "round (no draft pass; the peer in SWIFT's paper)",
     {
         "window": "W, the Jacobi window's columns (default 3 on a CPU, else the paper's 15)",
-        "ngram": "N, the n-gram size: N - 1 levels of guesses (default 2 on a CPU, else the paper's 5)",
+        "ngram_size": "N, the n-gram size: N - 1 levels of guesses (default 2 on a CPU, else the paper's 5)",
         "guesses": "G, most n-grams verified per round (default 3 on a CPU, else the paper's 15)",
     },
     None,

@@ -39,6 +39,11 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adapter", help="s3d: adapter directory written by `selfspec train-s3d`")
     g.add_argument("--max-ngram", type=int, help="pld: longest n-gram looked up in the history (3)")
     g.add_argument("--min-ngram", type=int, help="pld: shortest n-gram looked up (1)")
+    g.add_argument("--window", type=int, help="lookahead: W, the Jacobi window's columns (3 on a CPU, else 15)")
+    g.add_argument("--ngram-size", type=int, help="lookahead: N, the n-gram size (2 on a CPU, else 5)")
+    g.add_argument("--guesses", type=int, help="lookahead: G, most pool n-grams verified per round (3 / 15)")
+    g.add_argument("--layerskip", choices=("asd", "swift"),
+                   help="auto: the layer-skip source, ASD's automatic choice (default) or SWIFT's search")
     g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16"),
                    help="precision of the draft passes' weights (auto: the cheapest that agrees, measured)")
     s = p.add_argument_group("swift and auto options (defaults: the paper's, except where noted)")
@@ -63,7 +68,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 OPTION_NAMES = ("preset", "alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
-                "max_ngram", "min_ngram",
+                "max_ngram", "min_ngram", "window", "ngram_size", "guesses", "layerskip",
                 "adapter", "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
                 "patience", "score_threshold", "budget", "give_up_after", "schedule", "epsilon", "tree")  # fmt: skip
 

@@ -140,8 +140,8 @@ class LookaheadDrafter:
         W, N, G = (d if g is None else g for g, d in zip(self._given, defaults, strict=True))
         if W < 1 or N < 2 or G < 0 or W + N < 4:
             raise InvalidInputError(
-                "lookahead needs window >= 1, ngram >= 2, guesses >= 0 and a window of at least one guess "
-                f"(window >= 2 or ngram >= 3); got window={W}, ngram={N}, guesses={G}"
+                "lookahead needs window >= 1, ngram_size >= 2, guesses >= 0 and a window of at least one guess "
+                f"(window >= 2 or ngram_size >= 3); got window={W}, ngram_size={N}, guesses={G}"
             )
         return W, N, G
 
