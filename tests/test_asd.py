@@ -137,6 +137,29 @@ def test_losing_drafts_fall_back_and_are_retried_rarely():
     assert 1 <= len(late) <= 400 // 16, "tries again now and then, never more often than every 16 rounds"
 
 
+def test_a_choice_predicted_to_pay_but_measured_to_lose_only_explores():
+    """The model says the small sets pay (they are always kept), the drafter's economy measured its drafting
+    rounds earning 0.7 tokens per plain round's time: the policy decodes plainly, exploring now and then."""
+    from selfspec.cost.economy import Economy
+
+    prof = cheap_profile(8)
+    econ = Economy(prof, prof.draft_step(SkipSet.of([1], [])))
+    drafter = SimpleNamespace(economy=econ, length=DraftGate(AdaptiveDraftExit()), max_draft=12)
+    policy = AutoAsdPolicy(profile=prof)
+    policy.bind(fake_model(8), drafter)
+    policy.propose(COS8, 8)
+    drive(policy, 100, lambda skip: 4)
+    assert policy.choice.pays, "kept drafts of cheap steps: predicted to pay"
+    step = prof.forward(1)
+    econ.observe(tokens=1, round_ms=step, draft_steps=0, draft_ms=0.0, verified=1, verify_ms=step, first_kept=None)
+    for _ in range(4):  # drafting rounds: 2 tokens for 2.9 plain rounds' time
+        econ.observe(tokens=2, round_ms=2.9 * step, draft_steps=3, draft_ms=1.9 * step, verified=4, verify_ms=step,
+                     first_kept=True)  # fmt: skip
+    assert econ.drafting_loses()
+    used = drive(policy, 160, lambda skip: 4)
+    assert not policy.choice.pays and len(used) <= 160 // 16
+
+
 def test_a_gate_closed_by_the_policy_stops_the_drafter():
     gate = DraftGate(AdaptiveDraftExit(max_draft=5), gate=lambda: False)
     assert gate.max_draft == 5 and not gate.begin_round()

@@ -183,3 +183,32 @@ def test_verification_timings_cover_every_row():
         assert sorted(times) == [1, 3] and all(ms > 0 for ms in times.values())
     cache = model.engine.new_cache(24)
     assert _verification(model.engine, cache, torch.tensor([5, 6, 7]), 0).shape == (3,)
+
+
+def test_drafting_rounds_are_judged_by_the_clock():
+    """draft_gain: tokens of a drafting round per plain round's measured time; four rounds before it counts."""
+    prof = _profile()
+    econ = Economy(prof, 5.0)
+    econ.observe(tokens=1, round_ms=30.0, draft_steps=0, draft_ms=0.0, verified=1, verify_ms=29.0, first_kept=None)
+    assert econ.plain_round_ms == 30.0
+    for _ in range(3):  # 2 tokens in 75 ms: 0.8 of a plain round's 2 x 30 ms
+        econ.observe(tokens=2, round_ms=75.0, draft_steps=3, draft_ms=45.0, verified=4, verify_ms=30.0,
+                     first_kept=True)  # fmt: skip
+    assert econ.draft_gain == pytest.approx(0.8) and not econ.drafting_loses(), "three rounds are not enough"
+    econ.observe(tokens=2, round_ms=75.0, draft_steps=3, draft_ms=45.0, verified=4, verify_ms=30.0, first_kept=True)
+    assert econ.drafting_loses()
+    for _ in range(30):  # now 5 tokens per such round: 2x a plain round's rate
+        econ.observe(tokens=5, round_ms=75.0, draft_steps=3, draft_ms=45.0, verified=4, verify_ms=30.0,
+                     first_kept=True)  # fmt: skip
+    assert econ.draft_gain == pytest.approx(2.0, rel=0.01) and not econ.drafting_loses()
+
+
+def test_the_cost_correction_is_what_draft_steps_and_verifications_really_take():
+    prof = _profile()
+    econ = Economy(prof, 5.0)  # a draft step predicted at 5 ms
+    for _ in range(200):  # draft steps take 10 ms, verifications what the profile says
+        econ.observe(tokens=2, round_ms=50.0, draft_steps=2, draft_ms=20.0, verified=3, verify_ms=prof.forward(3),
+                     first_kept=True)  # fmt: skip
+    assert econ.cost_correction() == pytest.approx(2.0, rel=1e-3)
+    econ.rebind(2.5)  # another skip set: the correction stays
+    assert econ.cost_correction() == pytest.approx(2.0, rel=1e-3)

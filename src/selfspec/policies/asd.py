@@ -15,7 +15,9 @@ among a small family of ADMG configurations:
   candidates are ordered from conservative (dear draft steps) to aggressive.
 * **Costs**: c = the cost profile's draft step for the set / one full step,
   and the verification curve V_k = forward(k+1) / forward(1) (the profile of
-  :mod:`selfspec.cost.costs`, the one SWIFT's speed objective reads).
+  :mod:`selfspec.cost.costs`, the one SWIFT's speed objective reads); c is
+  scaled by what the drafter's rounds measured (draft step against its
+  prediction, over the same for verification: ``Economy.cost_correction``).
 * **Acceptance**, per candidate key: each drafted token up to the first
   rejection is a Bernoulli trial (a chain that is cut after ``accepted``
   tokens gave ``accepted`` hits in ``accepted + 1`` trials); counts decay by
@@ -29,7 +31,9 @@ among a small family of ADMG configurations:
 * **Choice**: the candidate with the best E at the estimate; among it and its
   ``reach`` neighbours in the order, the one with the best E at an upper
   confidence bound a + kappa * sqrt(a (1 - a) / (trials + w0)) drafts, if that
-  bound predicts E >= 1.  Otherwise the round is plain decoding (the drafter's
+  bound predicts E >= 1 and the drafting rounds so far have not been measured
+  to earn less per unit of time than plain ones (``Economy.drafting_loses``:
+  the clock overrules the model).  Otherwise the round is plain decoding (the drafter's
   length policy is told not to draft: :class:`DraftGate`, the mechanism
   SWIFT's cost-aware exit uses), and after ``explore_every`` such rounds one
   round drafts anyway (the gap doubles, up to 8x, while drafting keeps
@@ -353,21 +357,21 @@ class AutoAsdPolicy:
         options.sort(key=lambda o: (-o.cost, o.damage))
         self.options = options
 
-    def _cost_scale(self) -> float:
-        """The drafter's measured correction of the profile's c (1 before any round measured it)."""
+    def _economy(self):
+        """The drafter's economy, which measures what its rounds really cost (None: none, or another model's)."""
         econ = getattr(self._drafter, "economy", None)
-        return econ.cost_correction() if econ is not None and econ.profile is self.profile else 1.0
+        return econ if econ is not None and econ.profile is self.profile else None
 
     def _rechoose(self) -> None:
         if not self.options:
             self.choice = None
             return
-        scale, cost_scale = self.learner.scale(), self._cost_scale()
+        econ = self._economy()
+        scale, cost_scale = self.learner.scale(), econ.cost_correction() if econ is not None else 1.0
         self._can_pay = any(expected_speedup(1.0, o.cost * cost_scale, self._verify) >= 1.0 for o in self.options)
         ceiling = self.profile.drafts[self._precision].agreement
         estimates = [self.learner.estimate(o, ceiling, scale) for o in self.options]
         choice = choose(self.options, estimates, self._verify, self.config.reach, cost_scale)
-        econ = getattr(self._drafter, "economy", None)
-        if choice.pays and econ is not None and econ.profile is self.profile and econ.drafting_loses():
+        if choice.pays and econ is not None and econ.drafting_loses():
             choice = replace(choice, pays=False)  # predicted to pay, measured to lose: explore only
         self.choice = choice
