@@ -275,8 +275,10 @@ METHODS["suffix"] = MethodSpec(
 def _lookahead_drafter(opts: dict[str, Any]):
     from .drafters.lookahead import LookaheadDrafter
 
-    sizes = {k: int(opts[k]) for k in ("window", "ngram_size", "guesses") if k in opts}
-    return LookaheadDrafter(window=sizes.get("window"), ngram=sizes.get("ngram_size"), guesses=sizes.get("guesses"))
+    def size(key: str) -> int | None:
+        return int(opts[key]) if key in opts else None
+
+    return LookaheadDrafter(window=size("window"), ngram=size("ngram_size"), guesses=size("guesses"))
 
 
 # Lookahead decoding (Fu et al. 2024): Jacobi iterations in a window, their n-grams verified in the same pass
@@ -299,11 +301,11 @@ def _auto_source(opts: dict[str, Any]) -> str:
     source = str(opts.get("layerskip", "asd"))
     if source not in ("asd", "swift"):
         raise InvalidInputError(f"layerskip must be 'asd' or 'swift', got {source!r}")
-    own = {"asd": set(METHODS["asd"].options), "swift": set(METHODS["swift"].options)}
-    foreign = sorted(k for k in opts if k in own["asd" if source == "swift" else "swift"] - own[source]
-                     and k not in AUTO_OWN_OPTIONS)  # fmt: skip
+    other = "swift" if source == "asd" else "asd"
+    theirs = set(METHODS[other].options) - set(METHODS[source].options) - set(AUTO_OWN_OPTIONS)
+    foreign = sorted(k for k in opts if k in theirs)
     if foreign:
-        raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={'swift' if source == 'asd' else 'asd'}")
+        raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={other}")
     return source
 
 
@@ -315,12 +317,13 @@ def _auto_drafter(opts: dict[str, Any]):
         raise ValueError(f"ngram must be 'suffix' or 'pld', got {ngram!r}")
     shared = {k: opts[k] for k in ("max_ngram", "min_ngram") if k in opts}
     lookup = _suffix_drafter(shared) if ngram == "suffix" else _pld_drafter(shared)
-    layerskip = _asd_drafter(_asd_options(opts)) if _auto_source(opts) == "asd" else _swift_drafter(opts)
+    layerskip = _asd_drafter(_options_of("asd", opts)) if _auto_source(opts) == "asd" else _swift_drafter(opts)
     return HybridDrafter(lookup, layerskip)
 
 
-def _asd_options(opts: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in opts.items() if k in METHODS["asd"].options}
+def _options_of(method: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """The options among ``opts`` that ``method`` takes (auto hands its layer-skip source its own)."""
+    return {k: v for k, v in opts.items() if k in METHODS[method].options}
 
 
 # The hybrid: an n-gram source and a layer-skip self-draft, one source per round by expected gain.  Its
@@ -330,8 +333,8 @@ def _asd_options(opts: dict[str, Any]) -> dict[str, Any]:
 # skipping MLP sublayers, accepted a third as often); SWIFT's on-line search stays one option away.
 def _auto_skip(opts: dict[str, Any]):
     if _auto_source(opts) == "asd":
-        return _asd(_asd_options(opts))
-    return _swift({"budget": AUTO_SEARCH_BUDGET, **{k: v for k, v in opts.items() if k in METHODS["swift"].options}})
+        return _asd(_options_of("asd", opts))
+    return _swift({"budget": AUTO_SEARCH_BUDGET, **_options_of("swift", opts)})
 
 
 # SWIFT's search within the hybrid gets a smaller share of the time: a scoring pass costs ~10 decoding steps on
