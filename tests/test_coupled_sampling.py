@@ -14,6 +14,8 @@ logits processors.  The real built-in models: tests/test_real_models.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -21,7 +23,7 @@ from test_sampling import BROKEN_P, CORRECT_P, SAMPLES, chi_square_p, exact_dist
 
 import selfspec
 from selfspec.core import sampling as sampling_module
-from selfspec.core.sampling import PositionNoise, SamplingParams, scaled_logits
+from selfspec.core.sampling import REACH, PositionNoise, Sampler, SamplingParams, gumbel_at, scaled_logits
 from selfspec.errors import InvalidInputError
 
 SETTINGS = {
@@ -87,8 +89,8 @@ def test_a_draft_with_other_noise_changes_acceptance_not_output(model, monkeypat
     shared = selfspec.generate(model, PROMPT, "static", **options, **kw)
     real_tokens = sampling_module.Sampler.draft_tokens
 
-    def other_noise(self, q, k, t):
-        return real_tokens(self, q, k, t + 1000)  # the noise of a position far away
+    def other_noise(self, q, k, t, vocab=None):
+        return real_tokens(self, q, k, t + 1000, vocab)  # the noise of a position far away
 
     monkeypatch.setattr(sampling_module.Sampler, "draft_tokens", other_noise)
     unshared = selfspec.generate(model, PROMPT, "static", **options, **kw)
@@ -123,11 +125,60 @@ def test_coupled_sampling_is_exact(small_vocab, method, options, setting):
 
 def test_noise_shared_across_positions_is_caught(small_vocab, monkeypatch):
     """The wrong variant the test above must reject: one noise vector for every position."""
-    real = PositionNoise.__call__
-    monkeypatch.setattr(PositionNoise, "__call__", lambda self, t: real(self, 0))
+    real = PositionNoise.at
+    monkeypatch.setattr(PositionNoise, "at", lambda self, t, ids: real(self, 0, ids))
     params = EXACT_SETTINGS["t1-topk3"]
     counts, _, _ = sample_outputs(small_vocab, "vanilla", {}, params)
     assert chi_square_p(counts, exact_distribution(small_vocab, params), SAMPLES) < BROKEN_P
+
+
+# -- the noise and the choice ---------------------------------------------------------------------
+
+
+def _splitmix_gumbel(key: int, token: int) -> float:
+    """The definition of gumbel_at, in Python integers (the torch version wraps int64 products)."""
+    mask = (1 << 64) - 1
+    z = (key + (token + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    u = ((z >> 40) + 0.5) / 2**24
+    return -math.log(-math.log(u))
+
+
+def test_noise_is_a_function_of_key_and_token_alone():
+    ids = torch.tensor([0, 1, 7, 4095, 49151, 262143, 2**40 + 3])
+    for key in (0, 12345, 2**63 + 99, 2**64 - 1):
+        ours = gumbel_at(key, ids)
+        reference = [_splitmix_gumbel(key, int(i)) for i in ids]
+        assert torch.allclose(ours, torch.tensor(reference, dtype=torch.float64), rtol=0, atol=1e-12)
+        assert torch.equal(gumbel_at(key, ids.flip(0)), ours.flip(0))  # order and batch do not matter
+    g = gumbel_at(7, torch.arange(2_000_000))
+    assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.std().item() - 1.2825) < 0.01  # Gumbel(0, 1)
+    lo, hi = -math.log(-math.log(2**-25)), -math.log(-math.log(1 - 2**-25))
+    assert lo <= g.min().item() and g.max().item() <= hi and hi - lo < REACH
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(0.7, top_p=0.9, seed=1), SamplingParams(1.0, seed=2), SamplingParams(2.0, seed=3),
+    SamplingParams(1.3, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.2, seed=4),
+], ids=["t0.7-topp", "t1", "t2", "all-cuts"])  # fmt: skip
+def test_the_choice_among_near_tokens_is_the_argmax_over_the_whole_vocabulary(params):
+    """The choice looks at the tokens within REACH of a row's best only; on rows with a wide spread of
+    logits (most tokens out of reach) and flat ones (all in reach), it is the argmax of the whole row's
+    log-weights plus every token's noise."""
+    gen = torch.Generator().manual_seed(5)
+    V = 20000
+    scales = torch.tensor([0.5, 2.0, 3.0, 4.0, 6.0, 12.0]).repeat_interleave(4)[:, None]
+    logits = torch.randn(len(scales), V, generator=gen) * scales  # the bulk 5-25 below the best at 3-6
+    history = [torch.randint(0, V, (30,), generator=gen).tolist() for _ in range(len(scales))]
+    sampler = Sampler(params, prompt_len=0)
+    positions = list(range(10, 10 + len(scales)))
+    ours = sampler.choose(logits, positions, history)
+    seen = [torch.tensor(sorted(set(h))) for h in history] if params.penalised else None
+    weights = scaled_logits(logits, params, seen).double()
+    noise = torch.stack([sampler.noise.at(t, torch.arange(V)) for t in positions])
+    assert ours == (weights + noise).argmax(-1).tolist()
+    assert sampler.choose(logits[2:3], positions[2:3], history[2:3]) == ours[2:3]  # alone as in a batch
 
 
 # -- the cuts -------------------------------------------------------------------------------------

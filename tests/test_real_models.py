@@ -135,10 +135,12 @@ SAMPLED_METHODS = [("asd", {}), ("swift", {}), ("pld", {}), ("lookahead", {}),
 def test_seeded_sampling_is_vanilla_samplings_tokens(name, request):
     """Coupled sampling, the new lossless check under sampling: with one seed every method (SWIFT with its
     clock-driven default schedule included) emits exactly vanilla sampling's tokens, on both built-in models,
-    at temperature 0.7 / top-p 0.9 and at 1.0."""
+    at temperature 0.7 / top-p 0.9, at 1.0, and with top-k and a repetition penalty (which drafts over a
+    draft vocabulary read through its columns)."""
     model = request.getfixturevalue(name)
     item = _prompts(chat=model.has_chat_template)[0]
-    for kw in ({"temperature": 0.7, "top_p": 0.9, "seed": 1}, {"temperature": 1.0, "seed": 2}):
+    for kw in ({"temperature": 0.7, "top_p": 0.9, "seed": 1}, {"temperature": 1.0, "seed": 2},
+               {"temperature": 0.8, "top_k": 40, "repetition_penalty": 1.2, "seed": 3}):  # fmt: skip
         base = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=32, **kw)
         for method, options in SAMPLED_METHODS:
             out = selfspec.generate(model, item.prompt, method, max_new_tokens=32, **options, **kw)

@@ -45,6 +45,7 @@ class DraftVocabulary:
         self.vocab_size = head.out_features
         self.limit = max(base, int(self.vocab_size * MAX_SHARE))  # rows at most
         self.member = torch.zeros(self.vocab_size, dtype=torch.bool)
+        self._column = torch.full((self.vocab_size,), -1, dtype=torch.int64)  # id -> its column, -1 if absent
         self._known = bytearray(self.vocab_size)  # the same membership, cheap to test from Python per token
         self.size = self.capacity = 0
         self.ids = self._codes = self._scale = self._minv = None
@@ -126,6 +127,7 @@ class DraftVocabulary:
         if self._x16 is not None:
             self._repack(lo, hi)
         self.member[ids] = True
+        self._column[ids] = torch.arange(lo, hi)
         for t in ids.tolist():
             self._known[t] = 1
         self.size = hi
@@ -160,6 +162,12 @@ class DraftVocabulary:
         out = torch.full((sub.shape[0], self.vocab_size), float("-inf"), dtype=sub.dtype)
         out[:, self.ids[: self.size]] = sub
         return out
+
+    def columns(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The subset's columns of these ids, in their order, ids outside the subset (or the vocabulary) left out."""
+        ids = token_ids.reshape(-1).to(torch.int64).cpu()
+        cols = self._column[ids[(ids >= 0) & (ids < self.vocab_size)]]
+        return cols[cols >= 0]
 
     def token_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """Token ids of subset positions (argmax over the subset -> vocabulary ids)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +90,7 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 Seen = Sequence[torch.Tensor] | None  # per row: the token ids of its history (for the repetition penalty)
+Columns = Callable[[torch.Tensor], torch.Tensor]  # token ids -> their columns in a subset's logits (absent: dropped)
 
 
 def scaled_logits(logits: torch.Tensor, params: SamplingParams, seen: Seen = None) -> torch.Tensor:
@@ -103,7 +104,11 @@ def scaled_logits(logits: torch.Tensor, params: SamplingParams, seen: Seen = Non
         if seen is None:
             raise ValueError("a repetition penalty needs each row's history")
         x = _penalise(x.clone(), seen, params.repetition_penalty)
-    x = x / params.temperature
+    return cut(x / params.temperature, params)
+
+
+def cut(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-weights ``x`` (scaled by the temperature) with top-k, top-p and min-p applied: ``-inf`` outside."""
     if params.top_k and params.top_k < x.shape[-1]:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -171,34 +176,57 @@ def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Gen
     return keys.topk(k).indices.tolist()
 
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 torch multiplies with (wrapping, as two's complement does)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
 def _mix(seed: int, t: int) -> int:
-    """A 63-bit generator seed for output position ``t`` (splitmix64 of seed and t): distinct positions get
-    unrelated streams."""
-    z = (seed * 0x9E3779B97F4A7C15 + (t + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+    """A 64-bit key for output position ``t`` (splitmix64 of seed and t): distinct positions get unrelated
+    streams."""
+    z = (seed * _GOLDEN + (t + 1) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def gumbel_at(key: int, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise ``-log(-log u)`` (float64) for token ``ids``: ``u`` in (0, 1) on a grid of 2^24 steps, from
+    splitmix64's output function of ``key + (id + 1) * golden``.  Each token's value depends on (key, id)
+    alone, so any subset of the vocabulary is drawn alike in any order, batch or device; the grid bounds every
+    value to [-2.86, 17.33] (see :data:`REACH`)."""
+    z = ids.to(torch.int64) * _signed(_GOLDEN) + _signed((key + _GOLDEN) & _MASK64)
+    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
+    u = (_shr(z, 40).double() + 0.5) * 2.0**-24  # the top 24 bits (splitmix's last xor-shift leaves them as is)
+    return -(-u.log()).log()
+
+
+# Gumbel values on the grid of gumbel_at lie in [-log(-log(1 - 2^-25)), -log(-log 2^-25)] = [-2.86, 17.33]:
+# a token whose log-weight is more than REACH below the row's largest never wins the argmax, whatever the
+# noise (and holds e^-REACH ~ 1e-9 of the mass or less).  Only the tokens within REACH are cut and drawn.
+REACH = 20.5
 
 
 class PositionNoise:
-    """Gumbel noise ``g_t`` ``[V]`` per output position t, a function of (seed, t) only; computed once per
-    position (~0.75 ms for a 262k vocabulary on 2 cores) and kept until :meth:`forget_before`."""
+    """Gumbel noise ``g_t[i]`` per output position t and token id i, a function of (seed, t, i) only, drawn
+    for the ids a choice reads (its candidates: drawing Gemma 3's whole 262k-token vocabulary cost ~0.8 ms a
+    position; see :func:`gumbel_at`)."""
 
-    def __init__(self, seed: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
-        self.seed, self.vocab_size, self.device = seed, vocab_size, device
-        self._cache: dict[int, torch.Tensor] = {}
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
 
-    def __call__(self, t: int) -> torch.Tensor:
-        g = self._cache.get(t)
-        if g is None:
-            gen = torch.Generator(device=self.device).manual_seed(_mix(self.seed, t))
-            u = torch.rand(self.vocab_size, generator=gen, device=self.device).clamp_min_(1e-30)
-            g = self._cache[t] = -(-u.log()).log()
-        return g
-
-    def forget_before(self, t: int) -> None:
-        for key in [k for k in self._cache if k < t]:
-            del self._cache[key]
+    def at(self, t: int, ids: torch.Tensor) -> torch.Tensor:
+        return gumbel_at(_mix(self.seed, t), ids)
 
 
 class Sampler:
@@ -209,8 +237,7 @@ class Sampler:
     first one), so a history of ``prompt_len + t`` tokens precedes position t.
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int = 0, device: torch.device | str = "cpu",
-                 prompt_len: int = 0) -> None:  # fmt: skip
+    def __init__(self, params: SamplingParams, *, prompt_len: int = 0, device: torch.device | str = "cpu") -> None:
         self.params, self.prompt_len = params, prompt_len
         self.generator: torch.Generator | None = None
         self.noise: PositionNoise | None = None
@@ -218,7 +245,7 @@ class Sampler:
             return
         if params.coupled:
             seed = secrets.randbits(63) if params.seed is None else int(params.seed)
-            self.noise = PositionNoise(seed, vocab_size, device)
+            self.noise = PositionNoise(seed)
         else:
             self.generator = params.generator(device)
 
@@ -242,10 +269,13 @@ class Sampler:
         """``history`` followed by ``path`` where the penalty reads it (else ``history``, uncopied)."""
         return [*history, *path] if self.params.penalised and path else history
 
-    def _seen(self, histories: Sequence[Sequence[int]], device) -> Seen:
+    def _seen(self, histories: Sequence[Sequence[int]], device, columns: Columns | None = None) -> Seen:
+        """Per row, the ids its history holds (the penalty's tokens), as columns of the logits when those cover
+        a subset of the vocabulary (``columns`` maps ids to the subset's columns, dropping ids outside it)."""
         if not self.params.penalised:
             return None
-        return [torch.tensor(sorted(set(h)), dtype=torch.long, device=device) for h in histories]
+        seen = [torch.tensor(sorted(set(h)), dtype=torch.long, device=device) for h in histories]
+        return seen if columns is None else [columns(ids) for ids in seen]
 
     # -- the full model ------------------------------------------------------------------------
     def choose(self, logits: torch.Tensor, positions: Sequence[int], histories: Sequence[Sequence[int]]) -> list[int]:
@@ -254,9 +284,19 @@ class Sampler:
         if self.greedy:
             return logits.argmax(-1).tolist()
         assert self.noise is not None, "the rejection scheme samples during acceptance"
-        x = scaled_logits(logits, self.params, self._seen(histories, logits.device))
-        g = torch.stack([self.noise(t) for t in positions])
-        return (x + g).argmax(-1).tolist()
+        x = logits.float()
+        seen = self._seen(histories, logits.device)
+        if seen is not None:
+            x = _penalise(x.clone(), seen, self.params.repetition_penalty)
+        y = x / self.params.temperature
+        near = y >= y.amax(-1, keepdim=True) - REACH  # every token that can win (see REACH)
+        cols = near.nonzero(as_tuple=True)[1]  # row-major: each row's candidates, in id order
+        choices = []
+        for ids, row, t in zip(cols.split(near.sum(-1).tolist()), y, positions, strict=True):
+            w = cut(row[ids][None], self.params)[0]
+            ids, w = ids[w > float("-inf")], w[w > float("-inf")]
+            choices.append(int(ids[(w.double() + self.noise.at(t, ids)).argmax()]))
+        return choices
 
     def probs(self, logits: torch.Tensor, histories: Sequence[Sequence[int]]) -> torch.Tensor:
         """The full model's distribution after each row (the rejection scheme's p)."""
@@ -268,31 +308,33 @@ class Sampler:
             return sample(self.probs(logits[None], [history])[0], self.generator)
         return self.choose(logits[None], [self.position(len(history))], [history])[0]
 
-    def forget_before(self, t: int) -> None:
-        if self.noise is not None:
-            self.noise.forget_before(t)
-
     # -- the draft -----------------------------------------------------------------------------
-    def draft_distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        """The draft's distribution q ``[V]`` after ``history``: its plain softmax when greedy, else warped as
-        the full model's is."""
+    def draft_distribution(self, logits: torch.Tensor, history: Sequence[int],
+                           columns: Columns | None = None) -> torch.Tensor:  # fmt: skip
+        """The draft's distribution q after ``history``: its plain softmax when greedy, else warped as the full
+        model's is.  ``logits`` may cover a subset of the vocabulary (a draft vocabulary; ``columns`` places
+        the history's ids in it for the penalty): q is then over that subset, its cuts taken within it."""
         if self.greedy:
             return logits.float().softmax(-1)
-        return warp(logits[None], self.params, self._seen([history], logits.device))[0]
+        return warp(logits[None], self.params, self._seen([history], logits.device, columns))[0]
 
-    def draft_tokens(self, q: torch.Tensor, k: int, t: int) -> list[int]:
-        """Up to ``k`` distinct candidates for output position ``t``, best first.
+    def draft_tokens(self, q: torch.Tensor, k: int, t: int, vocab: torch.Tensor | None = None) -> list[int]:
+        """Up to ``k`` distinct candidates for output position ``t``, best first, as columns of ``q`` (token
+        ids when q covers the whole vocabulary; ``vocab``: the token ids of q's columns when it covers a subset).
 
         Greedy: q's top k.  Coupled: the top k of log q plus ``g_t``, the noise
-        the full model's choice at t will use, so a draft as good as the model
-        proposes the model's token.  Rejection: k draws without replacement
-        from q (acceptance then needs q).
+        the full model's choice at t will use (at the same token ids), so a draft
+        as good as the model proposes the model's token.  Rejection: k draws
+        without replacement from q (acceptance then needs q over the whole vocabulary).
         """
         if self.greedy:
             return q.topk(min(k, q.shape[-1])).indices.tolist()
-        if self.noise is not None:
-            k = min(k, int((q > 0).sum()))
-            return (q.log() + self.noise(t)).topk(k).indices.tolist()
+        if self.noise is not None:  # the candidates that can rank: within REACH of q's largest log-weight
+            cols = (q >= q.max() * math.exp(-REACH)).nonzero().squeeze(1)
+            keys = q[cols].double().log() + self.noise.at(t, cols if vocab is None else vocab[cols])
+            return cols[keys.topk(min(k, len(cols))).indices].tolist()
+        if vocab is not None:
+            raise ValueError("the rejection scheme draws from q over the whole vocabulary")
         return sample_without_replacement(q, k, self.generator)
 
 

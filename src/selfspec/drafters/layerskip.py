@@ -235,11 +235,17 @@ def broken_draft(logits: torch.Tensor) -> bool:
 
 def _draft_distribution(engine, logits: torch.Tensor, vocab: torch.Tensor | None, sampler: Sampler,
                         history: Sequence[int], drafted: list[int]):  # fmt: skip
-    """(q, its token ids, q over the whole vocabulary or None) of one draft step.  Greedy drafts keep the
-    draft vocabulary's logits alone (``vocab``: their ids; a softmax and top-k over Gemma 3's 262k-token
-    vocabulary cost 0.6 ms a step); sampled ones warp q over the whole vocabulary, as the full model's p."""
+    """(q, its columns' token ids or None, q over the whole vocabulary or None) of one draft step.
+
+    Greedy and coupled drafts keep the draft vocabulary's logits alone (``vocab``: their ids; a scatter,
+    warp and top-k over Gemma 3's 262k-token vocabulary cost ~1-2 ms a step): their tokens are verified by
+    exact match, so q only has to rank candidates.  The rejection scheme weighs each draft by q over the whole
+    vocabulary (zero outside the draft vocabulary), which it keeps for acceptance."""
     if sampler.greedy:
         return logits[-1].float().softmax(-1), vocab, None
+    if vocab is not None and sampler.coupled:
+        q = sampler.draft_distribution(logits[-1], sampler.extend(history, drafted), engine.draft_vocab.columns)
+        return q, vocab, None
     full = logits if vocab is None else engine.draft_vocab.scatter(logits)
     q = sampler.draft_distribution(full[-1], sampler.extend(history, drafted))  # [V]
     return q, None, q
@@ -256,12 +262,9 @@ def _leaf_count(q: torch.Tensor, tree: TreePolicy | None, path_prob: float, size
 def _draws(q: torch.Tensor, vocab: torch.Tensor | None, sampler: Sampler, k: int, t: int):
     """Up to ``k`` candidates, best first, as token ids, and their draft probabilities (see
     :meth:`Sampler.draft_tokens`; greedy: q's top k)."""
-    if sampler.greedy:
-        top = q.topk(min(k, q.shape[-1]))
-        ids = top.indices if vocab is None else vocab[top.indices]
-        return ids.tolist(), top.values.tolist()
-    draws = sampler.draft_tokens(q, k, t=t)
-    return draws, [float(q[tok]) for tok in draws]
+    cols = sampler.draft_tokens(q, k, t=t, vocab=vocab)
+    probs = q[cols].tolist()
+    return (cols if vocab is None else vocab[cols].tolist()), probs
 
 
 # Long (~65 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
