@@ -22,6 +22,7 @@ from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
 from selfspec.model.engine import SublayerCosine
 from selfspec.policies.asd import (
+    AutoAsdConfig,
     AutoAsdPolicy,
     CandidateKey,
     DraftGate,
@@ -233,6 +234,33 @@ def test_candidates_follow_the_cosine_profile_and_run_conservative_to_aggressive
     assert SkipSet() not in {o.skip for o in policy.options}, "the full model drafting in its own precision never pays"
 
 
+@pytest.mark.parametrize("rules", ["cs", "cs+r2", "r1+r2", "admg"])
+def test_a_table5_row_chooses_among_its_own_rules_only(rules):
+    """preset=auto with a variant: every candidate's skip set is one ADMG builds with exactly that row's rules
+    (CS thresholding skips attention only; rule 1 every m-th layer's attention and MLP; rule 2 keeps the last
+    n layers whole), and the family is a subset of the default one (``cs`` aside: it has no guard)."""
+    keys = candidate_keys(rules)
+    assert keys and len(keys) == len(set(keys))
+    for key in keys:
+        uses_cs, uses_r1, guarded = key.share > 0, key.m is not None, key.n > 0
+        assert (uses_cs, uses_r1, guarded) == {"cs": (True, False, False), "cs+r2": (True, False, True),
+                                               "r1+r2": (False, True, True), "admg": (True, True, True)}[rules]
+        skip = key.skip_set(COS8)
+        k = round(key.share * (8 - key.n))  # the share of the unguarded attention sublayers, by cosine
+        alpha = sorted(COS8.attention[: 8 - key.n], reverse=True)[k - 1] if k else 2.0
+        assert skip == admg(COS8, alpha=alpha, m=key.m or 1, n=key.n, variant=rules)
+    if rules != "cs":
+        assert set(keys) <= set(candidate_keys())
+    skip_policy, drafter = build_policies("asd", {"preset": "auto", "variant": rules})
+    assert isinstance(skip_policy, AutoAsdPolicy) and isinstance(drafter.length, DraftGate)
+    assert skip_policy.config.rules == rules
+    policy = AutoAsdPolicy(AutoAsdConfig(rules=rules), profile=cheap_profile(8))
+    policy.bind(fake_model(8))
+    policy.propose(COS8, 8)
+    made = {k.skip_set(COS8) for k in keys}
+    assert policy.options and all(o.skip in made for o in policy.options)
+
+
 # -- the paper's preset ---------------------------------------------------------------------------
 
 
@@ -260,7 +288,8 @@ def test_admg_values_and_variants_imply_the_paper_preset():
     [
         ({"preset": "fast"}, "preset must be 'auto' or 'paper'"),
         ({"preset": "auto", "alpha": 0.99}, "preset=auto chooses alpha, m and n itself"),
-        ({"preset": "auto", "variant": "cs"}, "drop variant"),
+        ({"preset": "auto", "variant": "x"}, "unknown ASD rules"),
+        ({"preset": "paper", "variant": "all"}, "unknown ASD variant"),
         ({"explore_every": 0}, "explore_every must be >= 1"),
         ({"explore_every": "often"}, "bad option value"),
         ({"preset": "paper", "explore_every": 4}, "preset=auto only"),

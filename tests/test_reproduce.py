@@ -60,7 +60,21 @@ def test_asd_table5(model, tmp_path):
         assert f"| {variant} |" in report
         assert _finite(data["data"][variant]["speedup"]) and data["data"][variant]["prompts"] == 2
         assert data["data"][variant]["lossless"] is True
-    assert [r[1] for r in rep.ours.rows] == ["cs", "cs+r2", "r1+r2", "admg", "auto"]
+        assert data["data"][f"auto-{variant}"]["lossless"] is True
+        assert data["setup"]["specs"][f"auto-{variant}"]["options"]["variant"] == variant
+    assert [r[1] for r in rep.ours.rows] == ["cs", "cs+r2", "r1+r2", "admg", "all"]
+    assert "order" in data["data"]["order"]["chosen"] and data["data"]["order"]["chosen"] in report
+
+
+def test_asd_table5_reads_the_papers_order_from_the_numbers():
+    from selfspec.reproduce.asd_table5 import order_note
+
+    holds = order_note({"cs": 1.0, "cs+r2": 1.1, "r1+r2": 0.9, "admg": 1.1}, "Chosen")
+    assert "order holds" in holds and "1.10x" in holds
+    broken = order_note({"cs": 1.2, "cs+r2": 1.0, "r1+r2": 1.3, "admg": 1.1}, "Chosen")
+    assert "does not hold" in broken and "cs (1.20x)" in broken and "r1+r2 (1.30x)" in broken
+    assert "cs+r2" not in broken
+    assert "cannot be read" in order_note({"cs": 1.0, "cs+r2": None, "r1+r2": 1.0, "admg": 1.0}, "Chosen")
 
 
 def test_swift_table8(model, tmp_path):

@@ -45,14 +45,15 @@ class MethodSpec:
     build_drafter: Callable[[dict[str, Any]], Drafter] | None = None  # default: D&V's chain drafting
 
 
-ASD_PINNED = ("alpha", "m", "n", "variant")  # ADMG's own values: giving one pins ADMG (preset=paper)
+ASD_PINNED = ("alpha", "m", "n")  # ADMG's own values: giving one pins ADMG (preset=paper)
 ASD_AUTO_ONLY = ("explore_every",)
 
 
 def _asd_preset(opts: dict[str, Any]) -> str:
-    """'auto' (the default) or 'paper'; alpha, m, n or variant given imply 'paper'."""
+    """'auto' (the default) or 'paper'; alpha, m or n given imply 'paper', and so does a variant without a preset
+    (a row of Table 5 with the paper's values; ``preset=auto`` with a variant chooses among that row's rules)."""
     pinned = [k for k in ASD_PINNED if k in opts]
-    preset = str(opts.get("preset", "paper" if pinned else "auto"))
+    preset = str(opts.get("preset", "paper" if pinned or "variant" in opts else "auto"))
     if preset not in ("auto", "paper"):
         raise InvalidInputError(f"preset must be 'auto' or 'paper', got {preset!r}")
     if preset == "auto" and pinned:
@@ -67,7 +68,8 @@ def _asd_preset(opts: dict[str, Any]) -> str:
 
 def _asd(opts: dict[str, Any]) -> AsdPolicy | AutoAsdPolicy:
     if _asd_preset(opts) == "auto":
-        return AutoAsdPolicy(AutoAsdConfig(explore_every=int(opts.get("explore_every", 16))))
+        return AutoAsdPolicy(AutoAsdConfig(explore_every=int(opts.get("explore_every", 16)),
+                                           rules=str(opts.get("variant", "all"))))  # fmt: skip
     return AsdPolicy(
         alpha=float(opts.get("alpha", 0.985)),
         m=int(opts.get("m", 3)),
@@ -104,12 +106,13 @@ METHODS: dict[str, MethodSpec] = {
         {
             "preset": "'auto' (default: alpha, m and n chosen per model and machine from the cosine profile, the "
             "acceptance observed and the measured costs; rounds that would lose are plain decoding) or 'paper' "
-            "(alpha 0.985, m 3, n 2; implied by giving alpha, m, n or variant)",
+            "(alpha 0.985, m 3, n 2; implied by giving alpha, m or n, or a variant without preset=auto)",
             "alpha": "preset=paper: cosine threshold: attention sublayers with mean cosine >= alpha are skipped "
             "(default 0.985)",
             "m": "preset=paper: rule 1: skip every m-th layer's attention and MLP (default 3)",
             "n": "preset=paper: rule 2: never skip the last n layers (default 2)",
-            "variant": "preset=paper: ablation: " + "; ".join(f"{k} = {v}" for k, v in ASD_VARIANTS.items()),
+            "variant": "the rules (Table 5's ablation): " + "; ".join(f"{k} = {v}" for k, v in ASD_VARIANTS.items())
+            + "; with preset=auto the choice is among that row's rules only (default all: every candidate)",
             "explore_every": "preset=auto: while no choice pays, draft once after this many plain rounds "
             "(default 16; the wait doubles, up to 8x, while drafting keeps losing)",
             **DRAFT_OPTIONS,

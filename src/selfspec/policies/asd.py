@@ -71,6 +71,7 @@ class AutoAsdConfig:
     kappa: float = 1.0  # width of the upper confidence bound
     reach: int = 2  # neighbours (in the conservative -> aggressive order) tried UCB-style
     discount: float = 0.98  # per observed round: acceptance counts fade, estimates follow drift
+    rules: str = "all"  # the candidates' rules (RULES): all, or one row of Table 5
 
     def __post_init__(self) -> None:
         if self.explore_every < 1:
@@ -79,6 +80,7 @@ class AutoAsdConfig:
             raise InvalidInputError(f"discount must be in (0, 1], got {self.discount}")
         if self.prior_weight <= 0 or self.damage_scale < 0 or self.kappa < 0 or self.reach < 0:
             raise InvalidInputError("prior_weight must be > 0; damage_scale, kappa and reach >= 0")
+        candidate_keys(self.rules)  # an unknown name fails here, before any model is loaded
 
 
 @dataclass(frozen=True)
@@ -101,14 +103,34 @@ class CandidateKey:
             return admg(cosine, alpha=2.0, m=self.m, n=self.n, variant="r1+r2")
         alpha = sorted(cosine.attention[:room], reverse=True)[k - 1]
         if self.m is None:
-            return admg(cosine, alpha=alpha, m=1, n=self.n, variant="cs+r2")
+            return admg(cosine, alpha=alpha, m=1, n=self.n, variant="cs+r2" if self.n else "cs")
         return admg(cosine, alpha=alpha, m=self.m, n=self.n, variant="admg")
 
 
-def candidate_keys() -> list[CandidateKey]:
-    """The family: every share x period x guard (the empty set only once: share 0 without rule 1)."""
+# Which of ADMG's rules a family of candidates uses: its rows of the paper's Table 5, or all of them.
+RULES = {
+    "all": "every candidate below (the default)",
+    "cs": "CS thresholding alone (no guard)",
+    "cs+r2": "CS thresholding + rule 2",
+    "r1+r2": "rules 1 and 2, no CS thresholding",
+    "admg": "all three rules at once",
+}
+
+
+def candidate_keys(rules: str = "all") -> list[CandidateKey]:
+    """The family: every share x period x guard (the empty set only once: share 0 without rule 1); or, for a
+    row of Table 5, the candidates using exactly its rules (``cs``: shares without a guard)."""
+    if rules not in RULES:
+        raise InvalidInputError(f"unknown ASD rules '{rules}'; choose one of {', '.join(RULES)}")
+    if rules == "cs":
+        return [CandidateKey(s, None, 0) for s in SHARES if s > 0]
     keys = [CandidateKey(s, m, n) for s in SHARES for m in PERIODS for n in GUARDS]
-    return [k for k in keys if not (k.share == 0 and k.m is None and k.n != GUARDS[0])]
+    uses = {  # (CS thresholding, rule 1) per family
+        "all": None, "cs+r2": (True, False), "r1+r2": (False, True), "admg": (True, True),
+    }[rules]  # fmt: skip
+    if uses is None:
+        return [k for k in keys if not (k.share == 0 and k.m is None and k.n != GUARDS[0])]
+    return [k for k in keys if (k.share > 0, k.m is not None) == uses]
 
 
 def damage(skip: SkipSet, cosine: SublayerCosine) -> float:
@@ -348,7 +370,7 @@ class AutoAsdPolicy:
     def _prepare(self, cosine: SublayerCosine, num_layers: int) -> None:
         """This prompt's options, deduplicated by skip set, ordered from conservative to aggressive."""
         profile, seen, options = self.profile, set(), []
-        for key in candidate_keys():
+        for key in candidate_keys(self.config.rules):
             skip = key.skip_set(cosine).validate(num_layers)
             if skip in seen or (skip.is_empty and self._precision == "same"):  # the full model drafting never pays
                 continue
