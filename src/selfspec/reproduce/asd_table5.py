@@ -90,8 +90,9 @@ def run(model: Model, opts: ReproduceOptions, prompts: Sequence[PromptItem] | No
         fixed[variant], chosen[variant] = s.speedup, a.speedup
         data[variant] = {**method_numbers(s), "paper_row": paper_name, "paper_speedup": paper_speedup}
         data[AUTO_LABEL.format(variant)] = {**method_numbers(a), "paper_row": paper_name}
+        lossless = lossless_text(s.lossless and a.lossless)
         rows.append((paper_name, variant, paper_speedup, fx(s.speedup), ff(s.M), ff(s.mean_skipped, 1),
-                     fx(a.speedup), ff(a.M), ff(a.mean_skipped, 1), lossless_text(s.lossless and a.lossless)))  # fmt: skip
+                     fx(a.speedup), ff(a.M), ff(a.mean_skipped, 1), lossless))  # fmt: skip
     paper_name, label, _ = UNION_ROW
     u = summary.method(label)
     data[label] = {**method_numbers(u), "paper_row": paper_name}
