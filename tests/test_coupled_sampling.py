@@ -23,7 +23,7 @@ from test_sampling import BROKEN_P, CORRECT_P, SAMPLES, chi_square_p, exact_dist
 
 import selfspec
 from selfspec.core import sampling as sampling_module
-from selfspec.core.sampling import REACH, PositionNoise, Sampler, SamplingParams, gumbel_at, scaled_logits
+from selfspec.core.sampling import REACH, WHOLE_ROWS_MAX_VOCAB, Sampler, SamplingParams, gumbel_at, scaled_logits
 from selfspec.errors import InvalidInputError
 
 SETTINGS = {
@@ -125,8 +125,8 @@ def test_coupled_sampling_is_exact(small_vocab, method, options, setting):
 
 def test_noise_shared_across_positions_is_caught(small_vocab, monkeypatch):
     """The wrong variant the test above must reject: one noise vector for every position."""
-    real = PositionNoise.at
-    monkeypatch.setattr(PositionNoise, "at", lambda self, t, ids: real(self, 0, ids))
+    real = sampling_module._mix
+    monkeypatch.setattr(sampling_module, "_mix", lambda seed, t: real(seed, 0))  # every position's key alike
     params = EXACT_SETTINGS["t1-topk3"]
     counts, _, _ = sample_outputs(small_vocab, "vanilla", {}, params)
     assert chi_square_p(counts, exact_distribution(small_vocab, params), SAMPLES) < BROKEN_P
@@ -167,11 +167,15 @@ def test_the_choice_among_near_tokens_is_the_argmax_over_the_whole_vocabulary(pa
     logits (most tokens out of reach) and flat ones (all in reach), it is the argmax of the whole row's
     log-weights plus every token's noise."""
     gen = torch.Generator().manual_seed(5)
-    V = 20000
+    V = WHOLE_ROWS_MAX_VOCAB + 4000  # a large vocabulary: a choice among the tokens within reach
     scales = torch.tensor([0.5, 2.0, 3.0, 4.0, 6.0, 12.0]).repeat_interleave(4)[:, None]
     logits = torch.randn(len(scales), V, generator=gen) * scales  # the bulk 5-25 below the best at 3-6
+    plateau = torch.zeros(8, V)  # one token 12 above a plateau holding ~40% of the mass at temperature 1
+    plateau[torch.arange(8), torch.arange(8) * 1000] = 12.0
+    logits, scales = torch.cat([logits, plateau]), torch.cat([scales, torch.ones(8, 1)])
     history = [torch.randint(0, V, (30,), generator=gen).tolist() for _ in range(len(scales))]
-    sampler = Sampler(params, prompt_len=0)
+    sampler = Sampler(params, V, prompt_len=0)
+    assert not sampler.noise.whole_rows
     positions = list(range(10, 10 + len(scales)))
     ours = sampler.choose(logits, positions, history)
     seen = [torch.tensor(sorted(set(h))) for h in history] if params.penalised else None

@@ -75,6 +75,11 @@ class SamplingParams:
         return not self.greedy and self.scheme == "coupled"
 
     @property
+    def cuts(self) -> bool:
+        """Whether top-k, top-p or min-p removes tokens (else every token keeps its weight)."""
+        return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0
 
@@ -199,16 +204,39 @@ def _mix(seed: int, t: int) -> int:
     return z ^ (z >> 31)
 
 
-def gumbel_at(key: int, ids: torch.Tensor) -> torch.Tensor:
+def gumbel_at(key: int | torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gumbel noise ``-log(-log u)`` (float64) for token ``ids``: ``u`` in (0, 1) on a grid of 2^24 steps, from
     splitmix64's output function of ``key + (id + 1) * golden``.  Each token's value depends on (key, id)
     alone, so any subset of the vocabulary is drawn alike in any order, batch or device; the grid bounds every
-    value to [-2.86, 17.33] (see :data:`REACH`)."""
-    z = ids.to(torch.int64) * _signed(_GOLDEN) + _signed((key + _GOLDEN) & _MASK64)
+    value to [-2.86, 17.33] (see :data:`REACH`).  ``key``: one 64-bit key, or a tensor of them (as int64)
+    broadcast against ``ids``, e.g. one per row."""
+    offset = key + _signed(_GOLDEN) if isinstance(key, torch.Tensor) else _signed((key + _GOLDEN) & _MASK64)
+    z = ids.to(torch.int64) * _signed(_GOLDEN) + offset
     z = (z ^ _shr(z, 30)) * _signed(_MIX1)
     z = (z ^ _shr(z, 27)) * _signed(_MIX2)
     u = (_shr(z, 40).double() + 0.5) * 2.0**-24  # the top 24 bits (splitmix's last xor-shift leaves them as is)
     return -(-u.log()).log()
+
+
+G_MAX = -math.log(-math.log1p(-(2.0**-25))) + 1e-9  # the largest Gumbel value gumbel_at can return (17.33)
+PROBE = 8  # top log-weights whose noise sets a row's bar before the rest is drawn
+
+
+def perturbed_topk(keys: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """Per row, the columns of the ``k`` largest ``w + g`` (best first), g the noise of ``ids`` under the row's
+    key (``keys`` ``[T, 1]``, ``ids`` and log-weights ``w`` ``[T, K]``, -inf where excluded).
+
+    The noise is drawn for few tokens: that of the PROBE largest w sets a bar (their k-th best score; the
+    true k-th best is no lower), and a token whose w + G_MAX is under the bar cannot make the top k.  At
+    temperature 1 without cuts this leaves a few thousand of SmolLM2's tens of thousands of tokens in reach."""
+    k = min(k, w.shape[-1])
+    probe_w, probe_j = w.topk(min(max(PROBE, k), w.shape[-1]), dim=-1)
+    probe = probe_w.double() + gumbel_at(keys, ids.gather(-1, probe_j))
+    bar = probe.topk(k, dim=-1).values[:, -1:] - G_MAX
+    rows, cols = ((w.double() >= bar) & (w > float("-inf"))).nonzero(as_tuple=True)
+    scores = torch.full(w.shape, float("-inf"), dtype=torch.float64, device=w.device)
+    scores[rows, cols] = w[rows, cols].double() + gumbel_at(keys[rows, 0], ids[rows, cols])
+    return scores.topk(k, dim=-1).indices
 
 
 # Gumbel values on the grid of gumbel_at lie in [-log(-log(1 - 2^-25)), -log(-log 2^-25)] = [-2.86, 17.33]:
@@ -217,16 +245,62 @@ def gumbel_at(key: int, ids: torch.Tensor) -> torch.Tensor:
 REACH = 20.5
 
 
-class PositionNoise:
-    """Gumbel noise ``g_t[i]`` per output position t and token id i, a function of (seed, t, i) only, drawn
-    for the ids a choice reads (its candidates: drawing Gemma 3's whole 262k-token vocabulary cost ~0.8 ms a
-    position; see :func:`gumbel_at`)."""
+def _gather_rows(y: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's masked entries, left-aligned in id order: (ids ``[T, K]``, values ``[T, K]``), K the largest
+    count, padded with id 0 and value -inf (all rows' tokens in a few batched operations)."""
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major
+    counts = torch.bincount(rows, minlength=y.shape[0])
+    slot = torch.arange(len(cols), device=y.device) - (counts.cumsum(0) - counts)[rows]
+    width = int(counts.max())
+    ids = torch.zeros(y.shape[0], width, dtype=torch.int64, device=y.device)
+    vals = torch.full((y.shape[0], width), float("-inf"), dtype=y.dtype, device=y.device)
+    ids[rows, slot] = cols
+    vals[rows, slot] = y[rows, cols]
+    return ids, vals
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
+
+WHOLE_ROWS_MAX_VOCAB = 1 << 17  # vocabularies up to this size are perturbed and cut row by whole row
+
+
+class PositionNoise:
+    """Gumbel noise ``g_t[i]`` per output position t and token id i, a function of (seed, t, i) only.
+
+    Two ways to draw it, by vocabulary size (fixed per model, so every path of one generation agrees):
+
+    * up to :data:`WHOLE_ROWS_MAX_VOCAB` tokens (SmolLM2's 49k): one vector per position from torch's
+      generator seeded by (seed, t), kept until :meth:`forget_before`; a choice perturbs whole rows (contiguous
+      passes over 49k values cost less than picking candidates out of them: 0.6 against 2.4 ms for 8 rows);
+    * larger vocabularies (Gemma 3's 262k): :func:`gumbel_at` for the ids a choice reads, the tokens within
+      REACH of a row's best (a whole 262k vector cost ~0.8 ms a position; the candidates, a few thousand).
+    """
+
+    def __init__(self, seed: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.seed, self.vocab_size, self.device = seed, vocab_size, device
+        self.whole_rows = vocab_size <= WHOLE_ROWS_MAX_VOCAB
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def vector(self, t: int) -> torch.Tensor:
+        """The whole vocabulary's noise at position t (float32 ``[V]``; whole-row mode only)."""
+        g = self._cache.get(t)
+        if g is None:
+            gen = torch.Generator(device=self.device).manual_seed(_mix(self.seed, t) & 0x7FFFFFFFFFFFFFFF)
+            u = torch.rand(self.vocab_size, generator=gen, device=self.device).clamp_min_(1e-30)
+            g = self._cache[t] = -(-u.log()).log()
+        return g
 
     def at(self, t: int, ids: torch.Tensor) -> torch.Tensor:
+        """The noise of ``ids`` at position t (float64)."""
+        if self.whole_rows:
+            return self.vector(t)[ids].double()
         return gumbel_at(_mix(self.seed, t), ids)
+
+    def keys(self, positions: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """The noise keys of output ``positions``, as a column ``[T, 1]`` (int64) for :func:`perturbed_topk`."""
+        return torch.tensor([[_signed(_mix(self.seed, t))] for t in positions], dtype=torch.int64, device=device)
+
+    def forget_before(self, t: int) -> None:
+        for key in [k for k in self._cache if k < t]:
+            del self._cache[key]
 
 
 class Sampler:
@@ -237,7 +311,8 @@ class Sampler:
     first one), so a history of ``prompt_len + t`` tokens precedes position t.
     """
 
-    def __init__(self, params: SamplingParams, *, prompt_len: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, params: SamplingParams, vocab_size: int = 0, *, prompt_len: int = 0,
+                 device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.params, self.prompt_len = params, prompt_len
         self.generator: torch.Generator | None = None
         self.noise: PositionNoise | None = None
@@ -245,7 +320,7 @@ class Sampler:
             return
         if params.coupled:
             seed = secrets.randbits(63) if params.seed is None else int(params.seed)
-            self.noise = PositionNoise(seed)
+            self.noise = PositionNoise(seed, vocab_size, device)
         else:
             self.generator = params.generator(device)
 
@@ -288,15 +363,24 @@ class Sampler:
         seen = self._seen(histories, logits.device)
         if seen is not None:
             x = _penalise(x.clone(), seen, self.params.repetition_penalty)
-        y = x / self.params.temperature
-        near = y >= y.amax(-1, keepdim=True) - REACH  # every token that can win (see REACH)
-        cols = near.nonzero(as_tuple=True)[1]  # row-major: each row's candidates, in id order
-        choices = []
-        for ids, row, t in zip(cols.split(near.sum(-1).tolist()), y, positions, strict=True):
-            w = cut(row[ids][None], self.params)[0]
-            ids, w = ids[w > float("-inf")], w[w > float("-inf")]
-            choices.append(int(ids[(w.double() + self.noise.at(t, ids)).argmax()]))
-        return choices
+        if self.noise.whole_rows:
+            g = torch.stack([self.noise.vector(t) for t in positions])
+            return (cut(x / self.params.temperature, self.params) + g).argmax(-1).tolist()
+        temperature, keys = self.params.temperature, self.noise.keys(positions, x.device)
+        floor = x.amax(-1, keepdim=True) - REACH * temperature  # every token that can win lies above (REACH)
+        if not self.params.cuts:  # all kept: the top few tokens' scores raise the floor (see perturbed_topk)
+            probe_x, probe_ids = x.topk(min(PROBE, x.shape[-1]), dim=-1)
+            bar = (probe_x.double() / temperature + gumbel_at(keys, probe_ids)).amax(-1, keepdim=True) - G_MAX
+            floor = torch.maximum(floor, (bar * temperature).float() - 1e-3 * temperature)
+        ids, w = _gather_rows(x, x >= floor)
+        w = cut(w / temperature, self.params)  # the padding is -inf: a token outside the kept set, in every cut
+        best = perturbed_topk(keys, ids, w)
+        return ids.gather(-1, best).squeeze(-1).tolist()
+
+    def forget_before(self, t: int) -> None:
+        """Positions before t are decided: their noise is not needed again."""
+        if self.noise is not None:
+            self.noise.forget_before(t)
 
     def probs(self, logits: torch.Tensor, histories: Sequence[Sequence[int]]) -> torch.Tensor:
         """The full model's distribution after each row (the rejection scheme's p)."""
@@ -329,10 +413,14 @@ class Sampler:
         """
         if self.greedy:
             return q.topk(min(k, q.shape[-1])).indices.tolist()
-        if self.noise is not None:  # the candidates that can rank: within REACH of q's largest log-weight
-            cols = (q >= q.max() * math.exp(-REACH)).nonzero().squeeze(1)
-            keys = q[cols].double().log() + self.noise.at(t, cols if vocab is None else vocab[cols])
-            return cols[keys.topk(min(k, len(cols))).indices].tolist()
+        if self.noise is not None:
+            cols = (q > 0).nonzero().squeeze(1)  # the kept set
+            ids = cols if vocab is None else vocab[cols]
+            if self.noise.whole_rows:
+                scores = q[cols].double().log() + self.noise.at(t, ids)
+                return cols[scores.topk(min(k, len(cols))).indices].tolist()
+            best = perturbed_topk(self.noise.keys([t], q.device), ids[None], q[cols].log()[None], k)[0]
+            return cols[best].tolist()
         if vocab is not None:
             raise ValueError("the rejection scheme draws from q over the whole vocabulary")
         return sample_without_replacement(q, k, self.generator)

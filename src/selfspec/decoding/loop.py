@@ -204,6 +204,7 @@ class Decoder:
                 new = _until_stop(accepted + [bonus], eos, room=N - len(out))
                 out.extend(new)
                 token = new[-1]
+                self._sampler.forget_before(len(out))
                 # 5. observe: the drafter and the skip policy learn from the round
                 self._observe(outcome, path, len(new), tally, times=(t0, t1, t2, t3))
                 tally.verified += len(tree) if tree is not None else 1
@@ -221,7 +222,7 @@ class Decoder:
         N, S = self.max_new_tokens, len(self.prompt_ids)
         pf = self.prefill or prefill(self.model, self.prompt_ids, max_new_tokens=N, max_nodes=self._max_nodes,
                                      cosine=self._wants_cosine)  # fmt: skip
-        self._sampler = Sampler(self.sampling, prompt_len=S, device=self.model.engine.device)
+        self._sampler = Sampler(self.sampling, pf.last_logits.shape[-1], prompt_len=S, device=self.model.engine.device)
         token = pf.first_token if self.sampling.greedy else self._sampler.next_token(pf.last_logits, pf.prompt_ids)
         pf.cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
         return pf, token

@@ -1,6 +1,6 @@
 """``selfspec reproduce asd-table5``: ASD's ablation of its draft-model rules (Metel et al. 2024, Table 5).
 
-    selfspec reproduce asd-table5                      # 10 XSum articles x 128 tokens, about 9 min on 2 cores
+    selfspec reproduce asd-table5                      # 10 XSum articles x 128 tokens, about 2-3 min on 2 cores
     selfspec reproduce asd-table5 --limit 2 --max-new-tokens 32
 
 Each variant of ADMG (Algorithm 1) builds its own skip set per prompt from the
