@@ -238,14 +238,16 @@ def _draft_distribution(engine, logits: torch.Tensor, vocab: torch.Tensor | None
     """(q, its columns' token ids or None, q over the whole vocabulary or None) of one draft step.
 
     Greedy and coupled drafts keep the draft vocabulary's logits alone (``vocab``: their ids; a scatter,
-    warp and top-k over Gemma 3's 262k-token vocabulary cost ~1-2 ms a step): their tokens are verified by
-    exact match, so q only has to rank candidates.  The rejection scheme weighs each draft by q over the whole
+    warp and top-k over Gemma 3's 262k-token vocabulary cost ~1-2 ms a step), coupled ones only the tokens
+    within reach of the best (:meth:`Sampler.coupled_draft_distribution`): their tokens are verified by exact
+    match, so q only has to rank candidates.  The rejection scheme weighs each draft by q over the whole
     vocabulary (zero outside the draft vocabulary), which it keeps for acceptance."""
     if sampler.greedy:
         return logits[-1].float().softmax(-1), vocab, None
-    if vocab is not None and sampler.coupled:
-        q = sampler.draft_distribution(logits[-1], sampler.extend(history, drafted), engine.draft_vocab.columns)
-        return q, vocab, None
+    if sampler.coupled:
+        columns = None if vocab is None else engine.draft_vocab.columns
+        q, cols = sampler.coupled_draft_distribution(logits[-1], sampler.extend(history, drafted), columns)
+        return q, (cols if vocab is None else vocab[cols]), None
     full = logits if vocab is None else engine.draft_vocab.scatter(logits)
     q = sampler.draft_distribution(full[-1], sampler.extend(history, drafted))  # [V]
     return q, None, q
