@@ -219,7 +219,10 @@ def test_coupled_sampling_runs_are_judged_lossless_rejection_runs_are_not(model)
     methods = "asd,asd:sampling_scheme=rejection@asd-rs,hf"
     runs = [run_benchmark(model, PROMPTS[:2], methods, max_new_tokens=12, warmup=0, sampling=sampling)
             for _ in range(2)]  # fmt: skip
-    assert [r.token_ids for r in runs[0].records] == [r.token_ids for r in runs[1].records]
+    def seeded(run):  # the rejection column reproduces only while asd's gate, which reads the clock, agrees
+        return [r.token_ids for r in run.records if r.method != "asd-rs"]
+
+    assert seeded(runs[0]) == seeded(runs[1])
     verdicts = {(r.method, r.identical_to_vanilla) for r in runs[0].records}
     assert verdicts == {("vanilla", True), ("asd", True), ("asd-rs", None), ("hf", None)}
     summary = summarize(runs[0])
