@@ -398,14 +398,12 @@ class Sampler:
         return self.choose(logits[None], [self.position(len(history))], [history])[0]
 
     # -- the draft -----------------------------------------------------------------------------
-    def draft_distribution(self, logits: torch.Tensor, history: Sequence[int],
-                           columns: Columns | None = None) -> torch.Tensor:  # fmt: skip
-        """The draft's distribution q after ``history``: its plain softmax when greedy, else warped as the full
-        model's is.  ``logits`` may cover a subset of the vocabulary (a draft vocabulary; ``columns`` places
-        the history's ids in it for the penalty): q is then over that subset, its cuts taken within it."""
+    def draft_distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        """The draft's distribution q ``[V]`` after ``history``: its plain softmax when greedy, else warped as
+        the full model's is (what the rejection scheme weighs drafts by)."""
         if self.greedy:
             return logits.float().softmax(-1)
-        return warp(logits[None], self.params, self._seen([history], logits.device, columns))[0]
+        return warp(logits[None], self.params, self._seen([history], logits.device))[0]
 
     def coupled_draft_distribution(self, logits: torch.Tensor, history: Sequence[int],
                                    columns: Columns | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
