@@ -53,7 +53,7 @@ from typing import Any
 from ..core.skipset import SkipSet
 from ..errors import InvalidInputError
 from ..model.engine import SublayerCosine
-from .skip import admg
+from .skip import ASD_VARIANTS, admg
 
 SHARES = (0.0, 0.125, 0.25, 0.5, 0.75)
 PERIODS: tuple[int | None, ...] = (None, 6, 4, 3)
@@ -107,14 +107,8 @@ class CandidateKey:
         return admg(cosine, alpha=alpha, m=self.m, n=self.n, variant="admg")
 
 
-# Which of ADMG's rules a family of candidates uses: its rows of the paper's Table 5, or all of them.
-RULES = {
-    "all": "every candidate below (the default)",
-    "cs": "CS thresholding alone (no guard)",
-    "cs+r2": "CS thresholding + rule 2",
-    "r1+r2": "rules 1 and 2, no CS thresholding",
-    "admg": "all three rules at once",
-}
+# Which of ADMG's rules a family of candidates uses: one row of the paper's Table 5 (ASD_VARIANTS), or all.
+RULES = ("all", *ASD_VARIANTS)
 
 
 def candidate_keys(rules: str = "all") -> list[CandidateKey]:
