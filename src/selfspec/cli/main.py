@@ -1,4 +1,4 @@
-"""Command line: ``selfspec generate | models | kernels | search | bench``.
+"""Command line: ``selfspec generate | models | kernels | search | bench | reproduce | serve | whatif``.
 
     selfspec models
     selfspec kernels                     # which kernel computes each product here, in GB/s against the bound
@@ -90,8 +90,9 @@ def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with one method (optionally compared with vanilla)")
     add_model_args(p)
     p.add_argument("--method", default="auto",
-                   help="auto (default: prompt lookup or SWIFT's self-draft, whichever pays), vanilla, asd, swift, "
-                        "s3d, static, selfsd or pld")  # fmt: skip
+                   help="auto (default: each round the n-gram source or ASD's layer-skip draft, whichever is "
+                        "expected to pay more), vanilla, asd, swift, s3d, static, selfsd, pld, suffix or "
+                        "lookahead")  # fmt: skip
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
@@ -175,9 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_parser(sub)
     from .reproduce import add_reproduce_parser
     from .serve import add_serve_parser
+    from .whatif import add_whatif_parser
 
     add_reproduce_parser(sub)
     add_serve_parser(sub)
+    add_whatif_parser(sub)
     return parser
 
 
