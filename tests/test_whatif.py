@@ -100,3 +100,28 @@ def test_collected_traces_are_the_vanilla_output_and_its_predictions(tiny_llama)
 def test_cli_refuses_categories_of_another_dataset(capsys):
     assert main(["whatif", "--dataset", "xsum", "--categories", "qa"]) == 2
     assert "--categories applies to --dataset spec-bench only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_draft_that_skips_nothing_chooses_the_models_token(tiny_llama, temperature):
+    """With no sublayer skipped the draft is the full model: greedy, or coupled with the same noise, its token
+    at every position is the vanilla output's (a wrong position offset of the noise fails this)."""
+    from selfspec.bench.whatif import _trace
+    from selfspec.core.sampling import SamplingParams
+    from selfspec.core.skipset import SkipSet
+
+    params = SamplingParams(temperature=temperature, seed=5)
+    prompt = "the cat sat on the mat. the cat"
+    out = list(Session(tiny_llama, "vanilla").generate(prompt, max_new_tokens=16, temperature=temperature,
+                                                       seed=5).token_ids)  # fmt: skip
+    ids = tiny_llama.encode(prompt)
+    trace = _trace(tiny_llama, "t", ids, out, SkipSet(), params)
+    assert [trace.draft[j] for j in range(len(ids), len(ids) + len(out))] == out
+
+
+def test_collect_refuses_the_rejection_scheme(tiny_llama):
+    from selfspec.core.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.8, seed=1, scheme="rejection")
+    with pytest.raises(InvalidInputError, match="exact match"):
+        collect(tiny_llama, [PromptItem("a", "t", "abc")], sampling=params)

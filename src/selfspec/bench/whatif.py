@@ -2,15 +2,19 @@
 several, earn more than the drafters we ship, on this machine and model?
 
     selfspec whatif --model gemma3-270m --dataset spec-bench --limit 2
+    selfspec whatif --temperature 0.7 --top-p 0.9
 
 Speculative decoding's gain is tokens per round over the round's cost, so a drafting rule can be judged
 without running it, from three things measured once (:func:`collect`):
 
-* the vanilla greedy output of every prompt, and the full model's top-``K`` tokens after every prefix of
-  prompt and output (one teacher-forced pass): what the model itself predicted, which Token Recycling
-  (Luo et al., 2024) keeps as an adjacency table of each token's latest top-k successors;
-* the layer-skip draft's greedy token at every output position (the skip set the default ``asd`` chooses for
-  the prompt, reading the full model's cache of the text before it, as a drafted chain's first token does);
+* the vanilla output of every prompt (greedy, or coupled sampling with a seed: every lossless method emits
+  exactly these tokens, so a draft is again kept by exact match), and the full model's top-``K`` tokens
+  after every prefix of prompt and output (one teacher-forced pass): what the model itself predicted,
+  which Token Recycling (Luo et al., 2024) keeps as an adjacency table of each token's latest top-k
+  successors;
+* the layer-skip draft's token at every output position (the skip set the default ``asd`` chooses for the
+  prompt, reading the full model's cache of the text before it, as a drafted chain's first token does; under
+  coupled sampling chosen with the position's noise, as our coupled drafts are);
 * the costs on this machine: a verification over T tokens (T = 1..16) at the prompts' median context, and a
   draft step, both in one-token steps.
 
@@ -30,10 +34,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.skipset import SkipSet
 from ..datasets import PromptItem
 from ..errors import InvalidInputError
@@ -81,29 +86,47 @@ class Replay:
 
 # -- collecting -----------------------------------------------------------------------------------
 def collect(model: Model, prompts: Sequence[PromptItem], *, max_new_tokens: int = 128,
+            sampling: SamplingParams = GREEDY,
             progress: Callable[[int], None] | None = None) -> tuple[list[Trace], Costs]:  # fmt: skip
-    """The traces of ``prompts`` (vanilla greedy outputs on our engine) and this machine's costs."""
+    """The traces of ``prompts`` (vanilla outputs on our engine: greedy, or coupled sampling with prompt i's seed
+    ``seed + i``, as ``selfspec bench`` seeds them) and this machine's costs."""
     from ..api import Session
 
     if not prompts:
         raise InvalidInputError("whatif needs at least one prompt")
+    if not sampling.greedy and not sampling.coupled:
+        raise InvalidInputError("whatif replays drafts by exact match: it needs greedy or coupled sampling")
     vanilla, asd = Session(model, "vanilla"), Session(model, "asd")
     traces = []
-    for item in prompts:
+    for i, item in enumerate(prompts):
+        params = sampling if sampling.greedy else replace(sampling, seed=(sampling.seed or 0) + i)
         ids = model.encode(item.prompt)
-        out = list(vanilla.generate(item.prompt, max_new_tokens=max_new_tokens).token_ids)
+        sampled = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "min_p": params.min_p,
+            "repetition_penalty": params.repetition_penalty,
+            "seed": params.seed,
+        }
+        out = list(vanilla.generate(item.prompt, max_new_tokens=max_new_tokens, **sampled).token_ids)
         skip_dict = asd.generate(item.prompt, max_new_tokens=8).stats.skip_set
         skip = SkipSet.from_dict(skip_dict) if skip_dict else SkipSet()
-        traces.append(_trace(model, item.task, ids, out, skip))
+        traces.append(_trace(model, item.task, ids, out, skip, params))
         if progress is not None:
             progress(1)
     context = int(statistics.median(t.prompt_len for t in traces))
     return traces, measure_costs(model, context, skip)  # a draft step of the last prompt's skip set
 
 
-def _trace(model: Model, task: str, ids: list[int], out: list[int], skip: SkipSet) -> Trace:
+def _trace(model: Model, task: str, ids: list[int], out: list[int], skip: SkipSet,
+           sampling: SamplingParams) -> Trace:  # fmt: skip
     """Teacher-forced passes along prompt + output: the full model's top-K after every prefix from the
-    prompt's last token on, and the draft's token at every output position."""
+    prompt's last token on, and the draft's token at every output position (its greedy token, or under coupled
+    sampling its choice with the noise the full model's choice at that position uses, as a drafted chain's
+    first token is chosen)."""
+    from ..drafters.layerskip import _draft_distribution, _draws
+
     engine, full, dev = model.engine, ids + out, model.engine.device
     cache = engine.new_cache(len(full) + 1)
     first = engine.forward(cache, torch.tensor(ids, device=dev), 0, last_only=True, prefill=True)
@@ -113,13 +136,14 @@ def _trace(model: Model, task: str, ids: list[int], out: list[int], skip: SkipSe
         rows.extend(engine.forward(cache, torch.tensor(out[:-1], device=dev), len(ids)))
     cache.commit(len(full) - 1)
     top = [[-1] * TOP_K] * (len(ids) - 1) + torch.stack(rows).topk(TOP_K, dim=-1).indices.tolist()
+    sampler = Sampler(sampling, model.adapter.vocab_size, prompt_len=len(ids), device=dev)
     draft = {}
     for j in range(len(ids), len(full)):  # the draft's token for position j: tokens[j - 1] at its place, in a
         step = torch.tensor([full[j - 1]], device=dev)  # scratch slot, seeing the full model's keys before it
         logits, vocab = engine.forward(cache, step, len(full), positions=torch.tensor([j - 1], device=dev),
                                        skip=skip, visible=j - 1, last_only=True, subset=True)  # fmt: skip
-        best = int(logits[-1].argmax())
-        draft[j] = int(vocab[best]) if vocab is not None else best
+        q, cols, _ = _draft_distribution(engine, logits, vocab, sampler, full[:j], [])
+        draft[j] = _draws(q, cols, sampler, 1, t=j - len(ids))[0][0]
     return Trace(task, len(ids), full, top, draft)
 
 

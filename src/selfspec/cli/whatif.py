@@ -2,6 +2,7 @@
 machine's measured costs (argparse only; the work is in :mod:`selfspec.bench.whatif`).
 
     selfspec whatif --model gemma3-270m --dataset spec-bench --limit 2
+    selfspec whatif --temperature 0.7 --top-p 0.9          # coupled sampling: vanilla sampling's outputs
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from .args import add_model_args, load_model
+from .args import add_model_args, add_sampling_args, load_model, sampling_params
 
 
 def add_whatif_parser(sub: Any) -> argparse.ArgumentParser:
@@ -32,6 +33,8 @@ def add_whatif_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=2, help="prompts (per category for spec-bench; default 2)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    add_sampling_args(p, seed_help="prompt i samples with seed SEED + i (default 0), as in selfspec bench",
+                      seed_default=0)  # fmt: skip
     p.set_defaults(func=cmd_whatif)
     return p
 
@@ -45,6 +48,9 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
     if args.limit < 1 or args.max_new_tokens < 1:
         raise InvalidInputError("--limit and --max-new-tokens must be >= 1")
+    sampling = sampling_params(args)
+    if not sampling.greedy and not sampling.coupled:
+        raise InvalidInputError("whatif replays drafts by exact match: use the coupled sampling scheme")
     if args.categories and args.dataset != SPEC_BENCH:
         raise InvalidInputError("--categories applies to --dataset spec-bench only")
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
@@ -52,7 +58,9 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     model = load_model(args)
     prompts = load_prompts(args.dataset, limit=args.limit, chat=model.has_chat_template, categories=categories)
     with tqdm(total=len(prompts), desc="vanilla outputs and predictions", disable=args.json) as bar:
-        traces, costs = collect(model, prompts, max_new_tokens=args.max_new_tokens, progress=bar.update)
+        traces, costs = collect(
+            model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, progress=bar.update
+        )
     results = [replay(traces, costs, policy) for policy in POLICIES]
     if args.json:
         print(json.dumps({"costs": asdict(costs), "results": [
