@@ -116,7 +116,7 @@ def collect(model: Model, prompts: Sequence[PromptItem], *, max_new_tokens: int 
         if progress is not None:
             progress(1)
     context = int(statistics.median(t.prompt_len for t in traces))
-    return traces, measure_costs(model, context, skip)  # a draft step of the last prompt's skip set
+    return traces, measure_costs(model, context, skip, sampling)  # a draft step of the last prompt's skip set
 
 
 def _trace(model: Model, task: str, ids: list[int], out: list[int], skip: SkipSet,
@@ -147,24 +147,46 @@ def _trace(model: Model, task: str, ids: list[int], out: list[int], skip: SkipSe
     return Trace(task, len(ids), full, top, draft)
 
 
-def measure_costs(model: Model, context: int, skip: SkipSet, reps: int = 9) -> Costs:
-    """Verification over 1..MAX_NODES tokens and one draft step at ``context``, in one-token steps (medians)."""
-    from ..cost.costs import decode_step_ms
+def measure_costs(model: Model, context: int, skip: SkipSet, sampling: SamplingParams = GREEDY,
+                  reps: int = 15) -> Costs:  # fmt: skip
+    """Verification over 1..MAX_NODES tokens and one draft step (each with its choice of tokens, as a round
+    makes it; under sampling the noise of a position is drawn once, by the verification) at ``context``, in
+    one-token steps: medians of ``reps`` interleaved rounds (a slow spell then hits every size alike), the
+    curve made non-decreasing in T."""
+    from ..cost.costs import _non_decreasing, _text_ids
+    from ..decoding.loop import check_finite
+    from ..drafters.layerskip import _draft_distribution, _draws
 
-    verify_ms = decode_step_ms(model, rows=tuple(range(1, MAX_NODES + 1)), context=context, reps=reps, verify=True)
-    engine = model.engine
-    cache = engine.new_cache(context + 2)
-    engine.forward(cache, torch.zeros(context, dtype=torch.long, device=engine.device), 0)
+    engine, dev = model.engine, model.engine.device
+    context = max(8, min(context, model.max_context - MAX_NODES - 2))
+    cache = engine.new_cache(context + MAX_NODES + 1)
+    text = _text_ids(model, context)
+    engine.forward(cache, text, 0)
     cache.commit(context)
-    one = torch.tensor([1], device=engine.device)
-    times = []
+    history = text.tolist()
+    sampler = Sampler(replace(sampling, seed=sampling.seed or 0) if not sampling.greedy else sampling,
+                      model.adapter.vocab_size, prompt_len=context, device=dev)  # fmt: skip
+    times: dict[int | str, list[float]] = {t: [] for t in range(1, MAX_NODES + 1)}
+    times["draft"] = []
+    pos = 0  # output positions: each verification chooses at new ones (sampled: their noise is drawn then)
     for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        engine.forward(cache, one, context, skip=skip, last_only=True, subset=True)
-        times.append(time.perf_counter() - t0)
-    step = verify_ms[1]
-    verify = {t: max(ms / step, 1.0) for t, ms in verify_ms.items()}
-    return Costs(verify, 1000 * statistics.median(times[1:]) / step)
+        for t in range(1, MAX_NODES + 1):  # a verification: every row's logits, checked, and its token chosen
+            ids = torch.tensor(history[-t:], device=dev)
+            sampler.forget_before(pos)
+            t0 = time.perf_counter()
+            logits = engine.forward(cache, ids, context)
+            check_finite(logits, "whatif")
+            sampler.choose(logits, list(range(pos, pos + t)), [history] * t)
+            times[t].append(time.perf_counter() - t0)
+            pos += t
+        t0 = time.perf_counter()  # a draft step: its pass and its token, at a position whose noise is drawn
+        logits, vocab = engine.forward(cache, text[-1:], context, skip=skip, last_only=True, subset=True)
+        q, cols, _ = _draft_distribution(engine, logits, vocab, sampler, history, [])
+        _draws(q, cols, sampler, 1, t=pos - 1)
+        times["draft"].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}  # the first round warms up
+    curve = _non_decreasing([med[t] for t in range(1, MAX_NODES + 1)])
+    return Costs({t: max(curve[t - 1] / curve[0], 1.0) for t in range(1, MAX_NODES + 1)}, med["draft"] / curve[0])
 
 
 # -- replaying ------------------------------------------------------------------------------------
