@@ -19,15 +19,23 @@ from selfspec.bench.whatif import (
 )
 from selfspec.cli.main import main
 from selfspec.datasets import PromptItem
+from selfspec.drafters.lookup import NGRAM_SIZES
+from selfspec.drafters.suffix import NgramIndex
 from selfspec.errors import InvalidInputError
 
 FLAT = Costs({t: 1.0 + 0.1 * (t - 1) for t in range(1, 17)}, draft_step=0.5)
 
 
+def _lookup(text: list[int], length: int) -> list[int]:
+    index = NgramIndex(NGRAM_SIZES, keep=1)
+    index.extend(text)
+    return lookup_chain(index, text, length)
+
+
 def test_lookup_takes_the_latest_continuation_of_the_longest_match():
-    assert lookup_chain([1, 2, 3, 9, 8, 1, 2, 3], 2) == [9, 8]
-    assert lookup_chain([5, 1, 7, 2, 1, 6, 3, 1], 3) == [6, 3, 1]  # "1" last followed by 6
-    assert lookup_chain([1, 2, 3], 4) == []
+    assert _lookup([1, 2, 3, 9, 8, 1, 2, 3], 2) == [9, 8]
+    assert _lookup([5, 1, 7, 2, 1, 6, 3, 1], 3) == [6, 3, 1]  # "1" last followed by 6
+    assert _lookup([1, 2, 3], 4) == []
 
 
 def test_recycle_follows_each_tokens_latest_top_successor():
@@ -36,7 +44,7 @@ def test_recycle_follows_each_tokens_latest_top_successor():
 
 
 def test_a_tree_accepts_the_longest_path_it_holds():
-    tree = Tree(0)
+    tree = Tree()
     tree.add([1, 2, 3])
     tree.add([1, 4])
     assert len(tree) == 5  # root, 1, 2, 3, 4: the shared prefix is one node

@@ -41,12 +41,13 @@ import torch
 from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.skipset import SkipSet
 from ..datasets import PromptItem
+from ..drafters.lookup import NGRAM_SIZES
+from ..drafters.suffix import NgramIndex
 from ..errors import InvalidInputError
 from ..model.models import Model
 
 TOP_K = 8  # successors kept per token (Token Recycling's k)
 MAX_NODES = 16  # the largest verification the costs are measured for
-NGRAM_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # as the lookup drafters
 
 
 @dataclass
@@ -191,11 +192,11 @@ def measure_costs(model: Model, context: int, skip: SkipSet, sampling: SamplingP
 
 # -- replaying ------------------------------------------------------------------------------------
 class Tree:
-    """A token tree under construction: node 0 is the root; ``add`` merges a chain below the root."""
+    """A token tree under construction: node 0 is the root (the round's last known token); ``add`` merges a
+    chain below it."""
 
-    def __init__(self, root: int) -> None:
+    def __init__(self) -> None:
         self.children: list[dict[int, int]] = [{}]
-        self.root = root
 
     def __len__(self) -> int:
         return len(self.children)
@@ -221,15 +222,14 @@ class Tree:
         return n
 
 
-def lookup_chain(text: Sequence[int], length: int) -> list[int]:
-    """What followed the latest earlier occurrence of the longest matching n-gram (``pld``'s draft)."""
-    for n in reversed(NGRAM_SIZES):
-        if n >= len(text):
-            continue
-        key = list(text[-n:])
-        for s in range(len(text) - n - 1, -1, -1):
-            if list(text[s : s + n]) == key:
-                return list(text[s + n : s + n + length])
+def lookup_chain(index: NgramIndex, text: Sequence[int], length: int) -> list[int]:
+    """What followed the latest earlier occurrence of the longest matching n-gram (``pld``'s draft); ``index``
+    holds ``text``'s n-grams (:class:`~selfspec.drafters.suffix.NgramIndex`, kept up to date by the caller)."""
+    for n in reversed(index.sizes):
+        if n < len(text):
+            latest = index.continuations(tuple(text[-n:]), length, most=1)
+            if latest:
+                return latest[0]
     return []
 
 
@@ -258,11 +258,13 @@ def replay(traces: Sequence[Trace], costs: Costs, policy: str, *, lookup_len: in
     result, adjacency = Replay(policy), {}  # the adjacency carries over between prompts (a session)
     for tr in traces:
         pos = tr.prompt_len + 1  # the first output token comes from the prefill
+        index = NgramIndex(NGRAM_SIZES, keep=1)
         while pos < len(tr.tokens):
-            text, tree, steps = tr.tokens[:pos], Tree(tr.tokens[pos - 1]), 0
+            text, tree, steps = tr.tokens[:pos], Tree(), 0
+            index.extend(text[len(index) :])
             for name in sources:
                 if name == "lookup":
-                    chain = lookup_chain(text, lookup_len)
+                    chain = lookup_chain(index, text, lookup_len)
                 elif name == "recycle":
                     chain = recycle_chain(adjacency, text[-1], recycle_len)
                 else:  # the draft's chain, read along the output (exact while it is accepted)
@@ -276,12 +278,10 @@ def replay(traces: Sequence[Trace], costs: Costs, policy: str, *, lookup_len: in
                 adjacency[tr.tokens[j]] = tr.top[j]
             gained = min(accepted + 1, len(tr.tokens) - pos)
             cost = steps * costs.draft_step + costs.verify[min(len(tree), MAX_NODES)]
-            result.tokens, result.rounds, result.cost, result.nodes = (
-                result.tokens + gained,
-                result.rounds + 1,
-                result.cost + cost,
-                result.nodes + len(tree),
-            )
+            result.tokens += gained
+            result.rounds += 1
+            result.cost += cost
+            result.nodes += len(tree)
             acc = result.per_task.setdefault(tr.task, [0.0, 0.0])
             acc[0], acc[1] = acc[0] + gained, acc[1] + cost
             pos += gained
