@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_model
 from hypothesis import given, settings
@@ -145,14 +146,16 @@ def test_argmax_only_gives_the_logits_argmax(tiny_llama):
     assert last.tolist() == [int(logits[-1].argmax())]
 
 
-def test_the_native_slot_copy_moves_what_torch_moves():
-    """A tree's accepted path made contiguous: the C copy of every buffer (layers of different shapes) gives
-    the very tensors the torch fallback gives, and an out-of-order request takes the fallback."""
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_the_native_slot_copy_moves_what_torch_moves(dtype):
+    """A tree's accepted path made contiguous: the C copy of every buffer (layers of different shapes; float
+    entries, or the halves the fused stack keeps) gives the very tensors the torch fallback gives, and an
+    out-of-order request takes the fallback."""
     from selfspec.core.cache import KVCache
 
     def filled(seed: int) -> KVCache:
         gen = torch.Generator().manual_seed(seed)
-        cache = KVCache(3, 12)
+        cache = KVCache(3, 12, dtype)
         for layer, (heads, dim) in enumerate([(2, 4), (1, 8), (3, 4)]):
             k = torch.randn(1, heads, 12, dim, generator=gen)
             cache._write(layer, 0, k, -k)
@@ -163,6 +166,7 @@ def test_the_native_slot_copy_moves_what_torch_moves():
         fallback._layout = False  # torch's copies
         native.move(src, dst)
         fallback.move(src, dst)
+        assert native.layer(0, 12)[0].dtype == (dtype or torch.float32)
         for layer in range(3):
             pairs = zip(native.layer(layer, 12), fallback.layer(layer, 12), strict=True)
             assert all(torch.equal(a, b) for a, b in pairs)

@@ -77,11 +77,12 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len)
     assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 2, 64), (4, 1, 80), (8, 2, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 2, 64), (4, 1, 80), (4, 1, 72), (8, 2, 128)])
 def test_query_heads_attended_together_get_a_lone_rows_logits(heads, kv_heads, head_dim):
     """A long pass attends several query heads of one key/value head together (shared value loads, one list of
     visible keys); a one-token step attends them one by one: each token's logits are the same bit for bit,
-    across head sizes that take the vector blocks alone (64, 128) and with a scalar tail (80)."""
+    across head sizes that take the vector blocks alone (64, 128), with a scalar tail (80) and a partial vector
+    chunk (72)."""
     model = tiny_model("llama", seed=5, hidden_size=16 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
                        head_dim=head_dim)
     quantize_linears(model.hf, 8)
@@ -180,4 +181,74 @@ def test_the_portable_c_path_computes_the_same_model(tmp_path):
         engine._fused = native_stack
     _, cache = prefilled(model, 30, fused=True)
     ref = engine.forward(cache, new, 30)
+    assert (portable - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_the_cache_holds_halves_under_int8_activations_and_floats_under_fp32(qtiny):
+    """The speed mode keeps keys and values as IEEE halves (llama.cpp's default cache: half the bytes a long
+    context's attention reads); fp32 activations keep transformers' floats.  Halves move the logits by their
+    rounding only, and a token's logits still do not depend on how it was verified."""
+    from selfspec.core.cache import KVCache
+    from selfspec.core.quant import activations, int8_kernels_available
+
+    for mode, dtype in (("int8", torch.float16), ("float32", torch.float32)):
+        if mode == "int8" and not int8_kernels_available():
+            continue
+        with activations(mode):
+            _, cache = prefilled(qtiny, 40, fused=True)
+            assert cache.layer(0, 40)[0].dtype == dtype, mode
+    engine = qtiny.engine
+    ids, new = torch.arange(40) % 50 + 5, torch.tensor([7, 8, 9, 10])
+    with activations("float32"):  # products alike: the two caches differ by the halves' rounding alone
+        out = {}
+        for dtype in (torch.float32, torch.float16):
+            cache = KVCache(engine.num_layers, 64, dtype)
+            engine.forward(cache, ids, 0, prefill=True, last_only=True)
+            out[dtype] = engine.forward(cache, new, 40)
+            steps = [engine.forward(cache, new[i : i + 1], 40 + i)[0] for i in range(len(new))]
+            assert all(torch.equal(steps[i], out[dtype][i]) for i in range(len(new))), dtype
+            assert cache.layer(1, 44)[1].dtype == dtype
+    half, full = out[torch.float16], out[torch.float32]
+    assert not torch.equal(half, full), "the halves were not used"
+    assert torch.equal(half.argmax(-1), full.argmax(-1))
+    assert (half - full).abs().max().item() <= 5e-3 * full.abs().max().item()
+
+
+def test_the_portable_c_path_reads_and_writes_halves_as_the_vector_one(tmp_path):
+    """Without AVX-512 the cache's halves are rounded and widened by plain C (_Float16) and attention's sums
+    take the same fused multiply-adds in the same order: the same logits within rounding (norms and rotary
+    part in their last bits), and a token's logits do not depend on how it was verified."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    from selfspec.core import fused
+    from selfspec.core.quant import CFLAGS, SOURCES, activations, int8_kernels_available
+
+    if not int8_kernels_available() or platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs an x86-64 CPU with AVX512-VNNI and gcc")
+    lib_path = tmp_path / "portable.so"
+    subprocess.run(["gcc", *CFLAGS, "-mno-avx512f", "-o", str(lib_path), *map(str, SOURCES), "-lm"], check=True)
+    new = torch.tensor([7, 8, 9, 10])
+    with activations("int8"):
+        # head_dim 72: four vector chunks and a partial one in the scores, a 64-wide block and a scalar tail
+        # in the weighted values
+        model = tiny_model("llama", seed=5, hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=72)
+        quantize_linears(model.hf, 8)
+        model = selfspec.model_from_hf(model.hf, model.tokenizer, name="tiny-llama-4x72")
+        engine = model.engine
+        specs, _ = engine.adapter.fused_layers()
+        native_stack = engine._fused
+        try:
+            engine._fused = fused.FusedStack(specs, lib=ctypes.CDLL(str(lib_path)))
+            _, cache = prefilled(model, 30, fused=True)
+            assert cache.layer(0, 30)[0].dtype == torch.float16
+            portable = engine.forward(cache, new, 30)
+            steps = [engine.forward(cache, new[i : i + 1], 30 + i)[0] for i in range(len(new))]
+            assert all(torch.equal(steps[i], portable[i]) for i in range(len(new)))
+        finally:
+            engine._fused = native_stack
+        _, cache = prefilled(model, 30, fused=True)
+        ref = engine.forward(cache, new, 30)
     assert (portable - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

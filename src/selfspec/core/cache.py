@@ -8,7 +8,11 @@ Rolling back is therefore just a length update, and a sublayer skipped while
 drafting simply writes nothing.
 
 The buffers are allocated on first write, from the shape of the keys the
-model produces, so the cache needs no architecture knowledge.
+model produces, so the cache needs no architecture knowledge.  They hold the
+keys' own dtype, or a storage ``dtype`` fixed when the cache is made (the
+fused CPU stack keeps halves: see :func:`selfspec.core.quant.kv_cache_dtype`);
+a pass computing in another dtype writes rounded entries and reads them back
+widened.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, capacity: int) -> None:
+    def __init__(self, num_layers: int, capacity: int, dtype: torch.dtype | None = None) -> None:
         self.capacity = capacity
+        self.dtype = dtype  # storage dtype of every buffer; None: the dtype of the first keys written
         self.length = 0
         self._keys: list[torch.Tensor | None] = [None] * num_layers
         self._values: list[torch.Tensor | None] = [None] * num_layers
@@ -47,10 +52,10 @@ class KVCache:
         in_order = all(s >= dst_start + i and (i == 0 or s > src_slots[i - 1]) for i, s in enumerate(src_slots))
         layout = self._native_layout() if in_order else None
         if layout is not None:  # one C call instead of two torch operations per buffer (0.33 ms for SmolLM2's 60)
-            lib, ptrs, heads, dims = layout
+            lib, ptrs, heads, dims, esize = layout
             src = np.asarray(src_slots, dtype=np.int64)
             lib.selfspec_move_slots(len(ptrs), ptrs.ctypes.data, heads.ctypes.data, dims.ctypes.data, self.capacity,
-                                    src.ctypes.data, len(src), dst_start)  # fmt: skip
+                                    src.ctypes.data, len(src), dst_start, esize)  # fmt: skip
             return
         for buffers in (self._keys, self._values):
             for buf in buffers:
@@ -92,15 +97,18 @@ class KVCache:
         return sum(b.numel() * b.element_size() for b in self._keys + self._values if b is not None)
 
     def _native_layout(self):
-        """(library, buffer pointers, heads, head dims) for the native slot copy, once every buffer exists as a
-        contiguous float32 CPU tensor [1, heads, capacity, dim] (they never move after); None otherwise."""
+        """(library, buffer pointers, heads, head dims, entry size) for the native slot copy, once every buffer
+        exists as a contiguous float32 or float16 CPU tensor [1, heads, capacity, dim], all of one dtype (they never
+        move after); None otherwise."""
         if self._layout is not None:
             return self._layout or None
         buffers = self._keys + self._values
         if not buffers or any(b is None for b in buffers):
             return None
-        if not all(b.device.type == "cpu" and b.dtype == torch.float32 and b.is_contiguous() and b.dim() == 4
-                   and b.shape[0] == 1 and b.shape[2] == self.capacity for b in buffers):  # fmt: skip
+        dtype = buffers[0].dtype
+        if dtype not in (torch.float32, torch.float16) or not all(
+                b.device.type == "cpu" and b.dtype == dtype and b.is_contiguous() and b.dim() == 4
+                and b.shape[0] == 1 and b.shape[2] == self.capacity for b in buffers):  # fmt: skip
             self._layout = False
             return None
         from .quant import NativeUnavailable, native
@@ -113,7 +121,7 @@ class KVCache:
         ptrs = np.array([b.data_ptr() for b in buffers], dtype=np.uint64)
         heads = np.array([b.shape[1] for b in buffers], dtype=np.int64)
         dims = np.array([b.shape[3] for b in buffers], dtype=np.int64)
-        self._layout = (lib, ptrs, heads, dims)
+        self._layout = (lib, ptrs, heads, dims, buffers[0].element_size())
         return self._layout
 
     def _write(self, layer_idx: int, start: int, k: torch.Tensor, v: torch.Tensor):
@@ -124,12 +132,13 @@ class KVCache:
         if kb is None:
             shape_k = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
             shape_v = (v.shape[0], v.shape[1], self.capacity, v.shape[3])
-            kb = self._keys[layer_idx] = torch.zeros(shape_k, dtype=k.dtype, device=k.device)
-            self._values[layer_idx] = torch.zeros(shape_v, dtype=v.dtype, device=v.device)
+            dtype = self.dtype or k.dtype
+            kb = self._keys[layer_idx] = torch.zeros(shape_k, dtype=dtype, device=k.device)
+            self._values[layer_idx] = torch.zeros(shape_v, dtype=dtype, device=v.device)
         vb = self._values[layer_idx]
-        kb[:, :, start:end] = k
+        kb[:, :, start:end] = k  # rounded where the cache stores another dtype
         vb[:, :, start:end] = v
-        return kb[:, :, :end], vb[:, :, :end]
+        return kb[:, :, :end].to(k.dtype), vb[:, :, :end].to(v.dtype)
 
 
 class _CacheWriter:
@@ -156,4 +165,5 @@ class _PrefixReader:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         k, v = self._cache.layer(layer_idx, self._end)
-        return torch.cat([k.clone(), key_states], dim=2), torch.cat([v.clone(), value_states], dim=2)
+        k, v = k.to(key_states.dtype, copy=True), v.to(value_states.dtype, copy=True)
+        return torch.cat([k, key_states], dim=2), torch.cat([v, value_states], dim=2)

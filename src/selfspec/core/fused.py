@@ -114,7 +114,7 @@ class FusedStack:
         fn = self._lib.selfspec_fused_layers
         fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                        ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                       ctypes.c_int]  # fmt: skip
+                       ctypes.c_int, ctypes.c_int]  # fmt: skip
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -194,11 +194,14 @@ class FusedStack:
         tables = [tuple(t.contiguous() for t in ropes[key]) for key in self._rope_keys]
         io[:, 1] = np.array([c.data_ptr() for c, _ in tables], dtype=np.uint64)[self._rope_of]
         io[:, 2] = np.array([s.data_ptr() for _, s in tables], dtype=np.uint64)[self._rope_of]
-        io[:, 3:] = cache.buffer_pointers([(layer.n_kv, layer.head_dim) for layer in self.layers], torch.float32)
+        kv_dtype = cache.dtype or torch.float32
+        if kv_dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"the fused stack keeps its cache in float32 or float16, not {kv_dtype}")
+        io[:, 3:] = cache.buffer_pointers([(layer.n_kv, layer.head_dim) for layer in self.layers], kv_dtype)
         status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
                           io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
                           None if cosines is None else self._cosine_buffer(cosines), int(prompt),
-                          int(self.int8))  # fmt: skip
+                          int(self.int8), int(kv_dtype == torch.float16))  # fmt: skip
         if status != 0:
             raise MemoryError("the fused decoder could not allocate its scratch memory")
         return h

@@ -63,6 +63,7 @@ typedef struct {
     int bulk;
     void *xq;
     int *failed;
+    int kv16; /* the cache holds IEEE halves (else floats) */
 } pass_t;
 
 #define PROMPT_ROWS 65
@@ -195,72 +196,55 @@ static void rope(float *x, const float *cos, const float *sin, long hd) {
     memcpy(x, tmp, hd * sizeof(float));
 }
 
-/* For each of R rows r: out_r[d] = sum over i of p_r[i] * value[list[i]][d], added in key order from 0:
- * out_r[d] = out_r[d] + p_r[i] * v[d].  Rows r are R query heads sharing one key/value head and one list of
- * visible keys (rows of p and out R_STRIDE apart: pstride floats, hd floats).  Each row's numbers are those
- * one row alone gets; R rows at a time share the value loads and run R independent addition chains (a
- * single row's chain is bound by the latency of its additions). */
 #define RMAX 4 /* the most query heads attended together */
-#if defined(__AVX512F__)
-/* 4 vectors (64 dimensions) of each of R rows kept in registers across all keys; the same operations in the
- * same order per element as the portable loop below. */
-static inline __attribute__((always_inline)) void weighted_block(int R, const float *p, long pstride,
-                                                                 const long *list, long m, const float *vc,
-                                                                 long hd, float *out) {
-    __m512 acc[RMAX][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-    for (long i = 0; i < m; i++) {
-        const float *v = vc + list[i] * hd;
-        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                     v3 = _mm512_loadu_ps(v + 48);
-        for (int r = 0; r < R; r++) {
-            const __m512 w = _mm512_set1_ps(p[r * pstride + i]);
-            acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_mul_ps(w, v0));
-            acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_mul_ps(w, v1));
-            acc[r][2] = _mm512_add_ps(acc[r][2], _mm512_mul_ps(w, v2));
-            acc[r][3] = _mm512_add_ps(acc[r][3], _mm512_mul_ps(w, v3));
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * hd + 16 * c, acc[r][c]);
+
+/* Cache entries are floats, or IEEE halves (kv16: half the bytes that a long context's attention reads, and a
+ * one-token step's attention is bound by reading them).  A key or value is rounded to the nearest half once,
+ * when it is written, and widened exactly when read, so every pass reads the same numbers. */
+static inline const void *kv_at(const void *base, long i, int kv16) {
+    return (const char *)base + i * (kv16 ? 2 : 4);
 }
 
-static void weighted_values(int R, const float *p, long pstride, const long *list, long m, const float *vc, long hd,
-                            float *out) {
-    long d0 = 0;
-    for (; d0 + 64 <= hd; d0 += 64) switch (R) {  /* constant R: the row loops unrolled */
-        case 4: weighted_block(4, p, pstride, list, m, vc + d0, hd, out + d0); break;
-        case 3: weighted_block(3, p, pstride, list, m, vc + d0, hd, out + d0); break;
-        case 2: weighted_block(2, p, pstride, list, m, vc + d0, hd, out + d0); break;
-        default: weighted_block(1, p, pstride, list, m, vc + d0, hd, out + d0); break;
-    }
-    for (int r = 0; d0 < hd && r < R; r++) {
-        const float *pr = p + r * pstride;
-        float *o = out + r * hd;
-        for (long d = d0; d < hd; d++) o[d] = 0.0f;
-        for (long i = 0; i < m; i++) {
-            const float w = pr[i], *v = vc + list[i] * hd;
-            for (long d = d0; d < hd; d++) o[d] = o[d] + w * v[d];
-        }
-    }
+static inline float kv_get(const void *base, long i, int kv16) {
+    return kv16 ? (float)((const _Float16 *)base)[i] : ((const float *)base)[i];
 }
-#else
-static void weighted_values(int R, const float *p, long pstride, const long *list, long m, const float *vc, long hd,
-                            float *out) {
-    for (int r = 0; r < R; r++) {
-        const float *pr = p + r * pstride;
-        float *o = out + r * hd;
-        for (long d = 0; d < hd; d++) o[d] = 0.0f;
-        for (long i = 0; i < m; i++) {
-            const float w = pr[i], *v = vc + list[i] * hd;
-            for (long d = 0; d < hd; d++) o[d] = o[d] + w * v[d];
-        }
+
+static void kv_put(void *base, long i, const float *x, long n, int kv16) {
+    if (!kv16) {
+        memcpy((float *)base + i, x, (size_t)n * sizeof(float));
+        return;
     }
-}
+    _Float16 *d = (_Float16 *)base + i;
+    long j = 0;
+#if defined(__AVX512F__)
+    for (; j + LANES <= n; j += LANES)
+        _mm256_storeu_si256((__m256i *)(d + j),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
+    for (; j < n; j++) d[j] = (_Float16)x[j]; /* round to nearest even, as the vector conversion */
+}
 
+/* Attention's two sums, for R rows (query heads sharing one key/value head and one list of visible keys,
+ * contiguous in q and out, hd apart; rows of p pstride apart), each row's numbers those it gets alone:
+ *   score p_r[i] = scaling * (q_r . key list[i]): per lane l < 16, the products of dimensions l, l + 16, ...
+ *     chained in that order by fused multiply-adds (the first a plain product), the 16 lanes then summed as
+ *     lane_sum() does;
+ *   out_r[d] = sum over i of p_r[i] * value list[i] [d], by fused multiply-adds in key order from 0.
+ * The rows share each key's and value's load and widening. */
 #if defined(__AVX512F__)
+static inline __m512 kv_load(const void *base, long i, int kv16) {
+    return kv16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)kv_at(base, i, 1)))
+                : _mm512_loadu_ps((const float *)base + i);
+}
+
+/* the first n < 16 entries from i, zeros after */
+static inline __m512 kv_load_part(const void *base, long i, long n, int kv16) {
+    if (!kv16) return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), (const float *)base + i);
+    uint16_t tmp[LANES] = {0};
+    memcpy(tmp, kv_at(base, i, 1), (size_t)n * 2);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tmp));
+}
+
 /* The lane sums of 16 vectors at once: out lane j = lane_reduce(v[j]), by the very same additions in the same
  * order (lanes l + l+8, then l + l+4, l + l+2, l + l+1), with the 16 vectors' lanes shuffled side by side so
  * that each addition serves several of them: 15 additions instead of 64. */
@@ -283,57 +267,148 @@ static inline __m512 lane_reduce16(const __m512 v[16]) {
     return _mm512_permutexvar_ps(order, s);
 }
 
-/* p[i] = dot(q, key list[i]) * scaling for i < m (the same values as dot() gives); returns their maximum.  Keys
- * go 16 at a time, each with its own accumulator, their lane sums taken together (lane_reduce16). */
-static float scores(const float *q, const float *kc, long hd, const long *list, long m, float scaling, float *p) {
-    long i = 0;
-    __m512 mx16 = _mm512_set1_ps(-INFINITY);
-    if (hd % LANES == 0 && hd <= 256) {
-        __m512 qv[16];
-        for (long c = 0; c < hd / LANES; c++) qv[c] = _mm512_loadu_ps(q + c * LANES);
-        for (; i + 16 <= m; i += 16) {
-            __m512 acc[16];
-            for (int j = 0; j < 16; j++) {
-                const float *k = kc + list[i + j] * hd;
-                acc[j] = _mm512_setzero_ps();
-                for (long c = 0; c < hd / LANES; c++)
-                    acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + c * LANES)));
+/* Keys go 16 at a time (the last block's missing ones repeat its first key, their sums dropped); each key's
+ * lane vectors for the R rows are kept, and their lane sums taken 16 keys together (lane_reduce16). */
+static inline __attribute__((always_inline)) void scores_rows(const int R, const int KV16, const float *q,
+                                                              const void *kc, long hd, const long *list, long m,
+                                                              float scaling, float *p, long pstride, float *mx) {
+    const long C = hd / LANES, rest = hd % LANES;
+    const __mmask16 rm = (__mmask16)((1u << rest) - 1u);
+    __m512 best[RMAX], lanes[RMAX][16];
+    for (int r = 0; r < R; r++) best[r] = _mm512_set1_ps(-INFINITY);
+    for (long i = 0; i < m; i += 16) {
+        const long n = m - i < 16 ? m - i : 16;
+        for (long j = 0; j < 16; j++) {
+            const long base = list[i + (j < n ? j : 0)] * hd;
+            __m512 t[RMAX];
+            if (C > 0) {
+                const __m512 k0 = kv_load(kc, base, KV16);
+                for (int r = 0; r < R; r++) t[r] = _mm512_mul_ps(_mm512_loadu_ps(q + r * hd), k0);
+            } else {
+                const __m512 k0 = kv_load_part(kc, base, rest, KV16);
+                for (int r = 0; r < R; r++) t[r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(rm, q + r * hd), k0);
             }
-            const __m512 sc = _mm512_mul_ps(lane_reduce16(acc), _mm512_set1_ps(scaling));
-            _mm512_storeu_ps(p + i, sc);
-            mx16 = _mm512_max_ps(mx16, sc);
+            for (long c = 1; c < C; c++) {
+                const __m512 kv = kv_load(kc, base + c * LANES, KV16);
+                for (int r = 0; r < R; r++) t[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * hd + c * LANES), kv, t[r]);
+            }
+            if (rest && C > 0) {
+                const __m512 kv = kv_load_part(kc, base + C * LANES, rest, KV16);
+                for (int r = 0; r < R; r++)
+                    t[r] = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(rm, q + r * hd + C * LANES), kv, t[r], rm);
+            }
+            for (int r = 0; r < R; r++) lanes[r][j] = t[r];
+        }
+        const __mmask16 nm = (__mmask16)((1u << n) - 1u);
+        for (int r = 0; r < R; r++) {
+            const __m512 sc = _mm512_mul_ps(lane_reduce16(lanes[r]), _mm512_set1_ps(scaling));
+            _mm512_mask_storeu_ps(p + r * pstride + i, nm, sc);
+            best[r] = _mm512_mask_max_ps(best[r], nm, best[r], sc);
         }
     }
-    float mx = _mm512_reduce_max_ps(mx16);
-    for (; i < m; i++) {
-        p[i] = dot(q, kc + list[i] * hd, hd) * scaling;
-        mx = p[i] > mx ? p[i] : mx;
+    for (int r = 0; r < R; r++) mx[r] = _mm512_reduce_max_ps(best[r]);
+}
+
+/* 4 vectors (64 dimensions) of each of R rows kept in registers across all keys */
+static inline __attribute__((always_inline)) void weighted_block(const int R, const int KV16, const float *p,
+                                                                 long pstride, const long *list, long m,
+                                                                 const void *vc, long d0, long hd, float *out) {
+    __m512 acc[RMAX][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (long i = 0; i < m; i++) {
+        const long base = list[i] * hd + d0;
+        const __m512 v0 = kv_load(vc, base, KV16), v1 = kv_load(vc, base + 16, KV16),
+                     v2 = kv_load(vc, base + 32, KV16), v3 = kv_load(vc, base + 48, KV16);
+        for (int r = 0; r < R; r++) {
+            const __m512 w = _mm512_set1_ps(p[r * pstride + i]);
+            acc[r][0] = _mm512_fmadd_ps(w, v0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(w, v1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(w, v2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(w, v3, acc[r][3]);
+        }
     }
-    return mx;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * hd + d0 + 16 * c, acc[r][c]);
+}
+
+#define ROWS_SWITCH(R, CALL) \
+    switch (R) {             \
+        case 4: CALL(4); break; \
+        case 3: CALL(3); break; \
+        case 2: CALL(2); break; \
+        default: CALL(1); break; \
+    }
+
+static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
+                   float *p, long pstride, float *mx) {
+#define SCORES(N) \
+    (kv16 ? scores_rows(N, 1, q, kc, hd, list, m, scaling, p, pstride, mx) \
+          : scores_rows(N, 0, q, kc, hd, list, m, scaling, p, pstride, mx))
+    ROWS_SWITCH(R, SCORES)
+#undef SCORES
+}
+
+static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
+                            long hd, float *out) {
+    long d0 = 0;
+    for (; d0 + 64 <= hd; d0 += 64) {
+#define WEIGHTED(N) \
+    (kv16 ? weighted_block(N, 1, p, pstride, list, m, vc, d0, hd, out) \
+          : weighted_block(N, 0, p, pstride, list, m, vc, d0, hd, out))
+        ROWS_SWITCH(R, WEIGHTED)
+#undef WEIGHTED
+    }
+    for (int r = 0; d0 < hd && r < R; r++) { /* dimensions past the last 64: the same operations, one at a time */
+        const float *pr = p + r * pstride;
+        float *o = out + r * hd;
+        for (long d = d0; d < hd; d++) o[d] = 0.0f;
+        for (long i = 0; i < m; i++)
+            for (long d = d0; d < hd; d++) o[d] = fmaf(pr[i], kv_get(vc, list[i] * hd + d, kv16), o[d]);
+    }
 }
 #else
-static float scores(const float *q, const float *kc, long hd, const long *list, long m, float scaling, float *p) {
-    float mx = -INFINITY;
+static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
+                   float *p, long pstride, float *mx) {
+    for (int r = 0; r < R; r++) mx[r] = -INFINITY;
     for (long i = 0; i < m; i++) {
-        p[i] = dot(q, kc + list[i] * hd, hd) * scaling;
-        mx = p[i] > mx ? p[i] : mx;
+        const long base = list[i] * hd;
+        for (int r = 0; r < R; r++) {
+            const float *qr = q + r * hd;
+            float t[LANES];
+            for (long l = 0; l < LANES; l++) t[l] = l < hd ? qr[l] * kv_get(kc, base + l, kv16) : 0.0f;
+            for (long d = LANES; d < hd; d++) t[d % LANES] = fmaf(qr[d], kv_get(kc, base + d, kv16), t[d % LANES]);
+            const float s = lane_sum(t) * scaling;
+            p[r * pstride + i] = s;
+            mx[r] = s > mx[r] ? s : mx[r];
+        }
     }
-    return mx;
+}
+
+static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
+                            long hd, float *out) {
+    for (int r = 0; r < R; r++) {
+        const float *pr = p + r * pstride;
+        float *o = out + r * hd;
+        for (long d = 0; d < hd; d++) o[d] = 0.0f;
+        for (long i = 0; i < m; i++)
+            for (long d = 0; d < hd; d++) o[d] = fmaf(pr[i], kv_get(vc, list[i] * hd + d, kv16), o[d]);
+    }
 }
 #endif
 
 /* R query rows of one key/value head (contiguous in q and out, hd apart) attending over the same allowed cache
  * slots; p: scratch of R rows pstride apart; out: [R, hd] */
-static void attend_rows(int R, const float *q, const float *kc, const float *vc, long hd, long nkeys,
+static void attend_rows(int R, int kv16, const float *q, const void *kc, const void *vc, long hd, long nkeys,
                         const uint8_t *allow, float scaling, long *list, float *p, long pstride, float *out) {
     long m = 0;
     for (long j = 0; j < nkeys; j++)
         if (!allow || allow[j]) list[m++] = j;
-    float denom[RMAX];
+    float mx[RMAX], denom[RMAX];
+    scores(R, kv16, q, kc, hd, list, m, scaling, p, pstride, mx);
     for (int r = 0; r < R; r++) {
         float *pr = p + r * pstride;
-        const float mx = scores(q + r * hd, kc, hd, list, m, scaling, pr);
-        for (long i = 0; i < m; i++) pr[i] = exp_neg(pr[i] - mx);
+        for (long i = 0; i < m; i++) pr[i] = exp_neg(pr[i] - mx[r]);
         float acc[LANES] = {0};
         long i = 0;
         for (; i + LANES <= m; i += LANES)
@@ -341,7 +416,7 @@ static void attend_rows(int R, const float *q, const float *kc, const float *vc,
         for (int l = 0; i < m; i++, l++) acc[l] = acc[l] + pr[i];
         denom[r] = lane_sum(acc);
     }
-    weighted_values(R, p, pstride, list, m, vc, hd, out);
+    weighted_values(R, kv16, p, pstride, list, m, vc, hd, out);
     for (int r = 0; r < R; r++)
         for (long d = 0; d < hd; d++) out[r * hd + d] = out[r * hd + d] / denom[r];
 }
@@ -358,7 +433,7 @@ static int heads_together(long T, long n_heads, long groups, int threads) {
 typedef struct {
     const uint8_t *mask; /* [T, start + T] (1 = may attend) or NULL: causal */
     const float *cos, *sin; /* [T, head_dim] */
-    float *k, *v;           /* this layer's cache [n_kv, capacity, head_dim] */
+    void *k, *v;            /* this layer's cache [n_kv, capacity, head_dim] (floats, or halves: pass_t.kv16) */
 } layer_io;
 
 /* Where the cosine similarity of each sublayer's input and output goes (ASD's statistics of the prompt):
@@ -430,8 +505,8 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
             float *kh = k + (t * nkv + g) * hd;
             if (L->k_norm) rmsnorm(kh, L->k_norm, off, eps, hd, kh);
             rope(kh, io->cos + t * hd, io->sin + t * hd, hd);
-            memcpy(io->k + (g * cap + start + t) * hd, kh, hd * sizeof(float));
-            memcpy(io->v + (g * cap + start + t) * hd, v + (t * nkv + g) * hd, hd * sizeof(float));
+            kv_put(io->k, (g * cap + start + t) * hd, kh, hd, ps->kv16);
+            kv_put(io->v, (g * cap + start + t) * hd, v + (t * nkv + g) * hd, hd, ps->kv16);
         }
     }
     const long nkeys = start + T;
@@ -442,7 +517,8 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
         const long g = it / (T * per_t), t = it / per_t % T, hh = g * groups + it % per_t * R;
         const uint8_t *allow = io->mask ? io->mask + t * nkeys : NULL;
         const long visible = io->mask ? nkeys : start + t + 1;
-        attend_rows(R, q + (t * nh + hh) * hd, io->k + g * cap * hd, io->v + g * cap * hd, hd, visible, allow,
+        attend_rows(R, ps->kv16, q + (t * nh + hh) * hd, kv_at(io->k, g * cap * hd, ps->kv16),
+                    kv_at(io->v, g * cap * hd, ps->kv16), hd, visible, allow,
                     (float)L->scaling, list, p, nkeys, a + (t * nh + hh) * hd);
     }
     quantize(T, nh * hd, a, ps);
@@ -479,9 +555,10 @@ static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf,
  * sublayer's mean cosine of input and output (skipped ones are left as they are).  bulk: the prompt's pass,
  * whose products of PROMPT_ROWS rows or more take prompt_gemm.c (0: every product in the T-independent row
  * kernels).  int8: products of weights with an x16 copy take int8 activations (int8_kernels.c), except in a
- * bulk pass's prompt kernel.  Returns 0, or -1 when scratch memory is unavailable. */
+ * bulk pass's prompt kernel.  kv16: the caches hold IEEE halves (else floats).  Returns 0, or -1 when scratch
+ * memory is unavailable. */
 int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
-                          long start, long cap, float *h, float *cosine_out, int bulk, int int8) {
+                          long start, long cap, float *h, float *cosine_out, int bulk, int int8, int kv16) {
     long width = 0, inter = 0;
     for (long i = 0; i < n; i++) {
         const layer_t *L = layers + i;
@@ -506,7 +583,7 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
         return -1;
     }
     int failed = 0;
-    const pass_t ps = {bulk, xq, &failed};
+    const pass_t ps = {bulk, xq, &failed, kv16};
 #pragma omp parallel
     {
         long *list = malloc((start + T) * sizeof(long));
@@ -529,17 +606,18 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
     return failed ? -1 : 0;
 }
 
-/* Copies cache slots src[i] to slots dst + i (i < n) in each of nbuf buffers of [heads[b], cap, dims[b]] floats:
+/* Copies cache slots src[i] to slots dst + i (i < n) in each of nbuf buffers of [heads[b], cap, dims[b]] entries of
+ * esize bytes (floats or halves):
  * the accepted path of a verified token tree made contiguous.  src increases and src[i] >= dst + i, so copying
  * in order never overwrites a slot still to be read. */
 void selfspec_move_slots(long nbuf, const uint64_t *bufs, const long *heads, const long *dims, long cap,
-                         const long *src, long n, long dst) {
+                         const long *src, long n, long dst, long esize) {
     for (long b = 0; b < nbuf; b++) {
-        float *buf = (float *)(uintptr_t)bufs[b];
-        const long d = dims[b];
+        char *buf = (char *)(uintptr_t)bufs[b];
+        const long d = dims[b] * esize;
         for (long h = 0; h < heads[b]; h++)
             for (long i = 0; i < n; i++)
                 if (src[i] != dst + i)
-                    memmove(buf + (h * cap + dst + i) * d, buf + (h * cap + src[i]) * d, (size_t)d * sizeof(float));
+                    memmove(buf + (h * cap + dst + i) * d, buf + (h * cap + src[i]) * d, (size_t)d);
     }
 }

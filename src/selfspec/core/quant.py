@@ -187,6 +187,15 @@ def int8_activations() -> bool:
     return _ACTIVATIONS == "int8"
 
 
+def kv_cache_dtype() -> torch.dtype:
+    """How the fused stack (:mod:`selfspec.core.fused`) stores keys and values: IEEE halves where products take
+    int8 activations (the speed mode, as llama.cpp's default f16 cache: half the bytes a long context's
+    attention reads, and a one-token step's attention is bound by reading them), float32 under ``float32``
+    activations (transformers' own numbers, which the fidelity checks compare with).  A cache's dtype is fixed
+    when it is made; vanilla decoding and every method share it, so speculative decoding stays lossless."""
+    return torch.float16 if int8_activations() else torch.float32
+
+
 def split_products_available() -> bool:
     """Whether this CPU can run ``prefill_gemm.c`` (fp32 accuracy from bf16 dot products of exact pieces;
     AVX512-BF16)."""
@@ -324,7 +333,7 @@ def native() -> ctypes.CDLL:
             lib.selfspec_linear_x16.argtypes = [ctypes.c_int, n, n, n, n, p, p, p, p, p, p]
             lib.selfspec_linear_x16.restype = ctypes.c_int
             lib.selfspec_int8_kernels.restype = ctypes.c_int
-            lib.selfspec_move_slots.argtypes = [n, p, p, p, n, p, n, n]
+            lib.selfspec_move_slots.argtypes = [n, p, p, p, n, p, n, n, n]
             lib.selfspec_move_slots.restype = None
             lib.selfspec_prefill_available.restype = ctypes.c_int
             if lib.selfspec_prefill_available():

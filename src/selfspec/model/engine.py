@@ -65,7 +65,9 @@ class Engine:
         return self._fused is not None and self.fused_enabled
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.num_layers, capacity)
+        """An empty cache of ``capacity`` slots; on the fused stack its entries are stored as
+        :func:`selfspec.core.quant.kv_cache_dtype` says (halves in the int8 speed mode)."""
+        return KVCache(self.num_layers, capacity, quant.kv_cache_dtype() if self.fused else None)
 
     @torch.inference_mode()
     def forward(
