@@ -344,3 +344,10 @@ def test_llamacpp_peer_takes_paths_and_a_speculation_type():
     assert [m.options for m in methods[1:]] == [{"spec": "ngram-mod"}, {"gguf": "/models/x.gguf"}]
     with pytest.raises(InvalidInputError, match="positive integer"):
         parse_methods("llamacpp:threads=two")
+
+
+@pytest.mark.parametrize("where", [("--dataset", "xsum"), ("--stream", "xsum,humaneval")])
+def test_cli_bench_refuses_categories_without_spec_bench(where, capsys):
+    """Checked before any model loads, with --dataset or in a stream that names no Spec-Bench."""
+    assert _bench(*where, "--categories", "qa", "--methods", "pld") == 2
+    assert "--categories applies to --dataset spec-bench only" in capsys.readouterr().err

@@ -397,3 +397,17 @@ def test_warp_cuts_and_renormalises():
     for params in (SamplingParams(0.5), SamplingParams(2.0, top_k=3, top_p=0.9)):
         assert float(warp(logits, params).sum()) == pytest.approx(1.0)
     assert warp(logits, SamplingParams(0.5))[0] > full[0]  # a low temperature sharpens
+
+
+def test_sampling_params_spell_out_every_keyword_of_generate():
+    """One spelling of the parameters as ``Session.generate``'s keywords (the CLI and ``whatif`` use it): a new
+    sampling keyword of ``generate`` that the parameters do not carry fails here."""
+    import inspect
+
+    from selfspec.api import Session
+
+    p = SamplingParams(0.7, top_k=5, top_p=0.9, seed=3, min_p=0.05, repetition_penalty=1.1, scheme="rejection")
+    kw = p.as_kwargs()
+    assert set(kw) == set(inspect.signature(Session.generate).parameters) - {"self", "prompt", "max_new_tokens"}
+    assert SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"], kw["min_p"],
+                          kw["repetition_penalty"], kw["sampling_scheme"]) == p  # fmt: skip

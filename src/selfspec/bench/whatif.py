@@ -102,15 +102,7 @@ def collect(model: Model, prompts: Sequence[PromptItem], *, max_new_tokens: int 
     for i, item in enumerate(prompts):
         params = sampling if sampling.greedy else replace(sampling, seed=(sampling.seed or 0) + i)
         ids = model.encode(item.prompt)
-        sampled = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "min_p": params.min_p,
-            "repetition_penalty": params.repetition_penalty,
-            "seed": params.seed,
-        }
-        out = list(vanilla.generate(item.prompt, max_new_tokens=max_new_tokens, **sampled).token_ids)
+        out = list(vanilla.generate(item.prompt, max_new_tokens=max_new_tokens, **params.as_kwargs()).token_ids)
         skip_dict = asd.generate(item.prompt, max_new_tokens=8).stats.skip_set
         skip = SkipSet.from_dict(skip_dict) if skip_dict else SkipSet()
         traces.append(_trace(model, item.task, ids, out, skip, params))

@@ -24,7 +24,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "from the fp32 model's after some dozens of tokens)")
     p.add_argument("--activations", default=None, choices=("auto", "int8", "float32"),
                    help="quantised weights: decoding products quantise their activations to int8 as llama.cpp does "
-                        "(auto, default, where the CPU has AVX512-VNNI: 2.5-5x faster products of several rows) "
+                        "(auto, default, where the CPU has AVX512-VNNI: 2.5-5x faster products of several rows; "
+                        "keys and values then cached as halves, as llama.cpp's default cache) "
                         "or keep them float32 (outputs equal the dequantised model's within rounding)")
 
 
@@ -35,6 +36,19 @@ def load_model(args: argparse.Namespace):
     return load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize,
                 prefill_dtype=getattr(args, "prefill_dtype", None),
                 activations=getattr(args, "activations", None))  # fmt: skip
+
+
+def spec_bench_categories(categories: str | None, datasets: list[str]) -> list[str] | None:
+    """The ``--categories`` option as a list (None when not given), refused unless one of ``datasets`` (the named
+    dataset, or a stream's) is Spec-Bench, the one dataset with categories."""
+    if not categories:
+        return None
+    from ..datasets import SPEC_BENCH
+    from ..errors import InvalidInputError
+
+    if SPEC_BENCH not in datasets:
+        raise InvalidInputError("--categories applies to --dataset spec-bench only")
+    return [c.strip() for c in categories.split(",") if c.strip()]
 
 
 def add_sampling_args(p: argparse.ArgumentParser, seed_help: str = "makes a sampled run reproducible",

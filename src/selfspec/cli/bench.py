@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidInputError
-from .args import add_model_args, add_sampling_args, load_model, sampling_argv, sampling_params
+from .args import add_model_args, add_sampling_args, load_model, sampling_argv, sampling_params, spec_bench_categories
 
 METHODS_SYNTAX = """\
 method specs (--methods):
@@ -128,14 +128,12 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 
 
 def _categories(args: argparse.Namespace, name: str) -> list[str] | None:
-    """The --categories list, for the Spec-Bench dataset only (another dataset with it is an error there)."""
-    if not args.categories:
-        return None
+    """The --categories list for dataset ``name`` (Spec-Bench's only; given with no Spec-Bench, an error)."""
     from ..datasets import SPEC_BENCH
 
-    if SPEC_BENCH not in ([args.dataset] if args.dataset else (args.stream or "").split(",")):
-        raise InvalidInputError("--categories applies to --dataset spec-bench only")
-    return [c.strip() for c in args.categories.split(",") if c.strip()] if name == SPEC_BENCH else None
+    datasets = [args.dataset] if args.dataset else [s.strip() for s in (args.stream or "").split(",")]
+    categories = spec_bench_categories(args.categories, datasets)
+    return categories if name == SPEC_BENCH else None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

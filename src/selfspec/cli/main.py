@@ -74,9 +74,7 @@ OPTION_NAMES = ("preset", "alpha", "m", "n", "variant", "skip_set", "max_draft",
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    s = sampling_params(args)  # validated before the model load
-    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-            "repetition_penalty": s.repetition_penalty, "seed": s.seed, "sampling_scheme": s.scheme}  # fmt: skip
+    return sampling_params(args).as_kwargs()  # validated before the model load
 
 
 def _method_options(args: argparse.Namespace) -> dict:
@@ -443,6 +441,10 @@ def _engine_paths(model) -> dict[str, str]:
     """Which code runs a decoding pass and which dtype the prompt's products use (quantised weights)."""
     engine = model.engine
     layers = "fused native stack (one C call per pass)" if engine.fused else f"torch modules ({engine.fused_reason})"
+    if engine.fused:
+        from ..core.quant import kv_cache_dtype
+
+        layers += f", keys and values cached as {str(kv_cache_dtype()).replace('torch.', '')}"
     prefill = str(model.adapter.dtype).replace("torch.", "")  # unquantised models prefill in their own dtype
     if model.quantization != "none":
         from ..core.quant import int8_activations, prefill_dtype, prefill_kernel

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from .args import add_model_args, add_sampling_args, load_model, sampling_params
+from .args import add_model_args, add_sampling_args, load_model, sampling_params, spec_bench_categories
 
 
 def add_whatif_parser(sub: Any) -> argparse.ArgumentParser:
@@ -43,7 +43,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..bench.whatif import POLICIES, collect, replay, report
-    from ..datasets import SPEC_BENCH, load_prompts
+    from ..datasets import load_prompts
     from ..errors import InvalidInputError
 
     if args.limit < 1 or args.max_new_tokens < 1:
@@ -51,9 +51,7 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     sampling = sampling_params(args)
     if not sampling.greedy and not sampling.coupled:
         raise InvalidInputError("whatif replays drafts by exact match: use the coupled sampling scheme")
-    if args.categories and args.dataset != SPEC_BENCH:
-        raise InvalidInputError("--categories applies to --dataset spec-bench only")
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    categories = spec_bench_categories(args.categories, [args.dataset])
     load_prompts(args.dataset, limit=1, chat=False, categories=categories)  # a bad dataset fails before the load
     model = load_model(args)
     prompts = load_prompts(args.dataset, limit=args.limit, chat=model.has_chat_template, categories=categories)

@@ -70,6 +70,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def as_kwargs(self) -> dict:
+        """These parameters as the keywords of :meth:`selfspec.api.Session.generate` (and ``selfspec.generate``)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty, "seed": self.seed, "sampling_scheme": self.scheme}
+
     @property
     def coupled(self) -> bool:
         return not self.greedy and self.scheme == "coupled"
