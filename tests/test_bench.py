@@ -351,3 +351,22 @@ def test_cli_bench_refuses_categories_without_spec_bench(where, capsys):
     """Checked before any model loads, with --dataset or in a stream that names no Spec-Bench."""
     assert _bench(*where, "--categories", "qa", "--methods", "pld") == 2
     assert "--categories applies to --dataset spec-bench only" in capsys.readouterr().err
+
+
+def test_a_hybrids_draft_sources_are_summed_over_prompts_and_reported(model):
+    """``auto`` reports per source (lookup, layer-skip) its rounds, drafted and accepted tokens and time: summed
+    over the prompts they add up to the method's own drafted and accepted totals, and report.md tabulates them."""
+    from selfspec.bench.report import markdown_report
+
+    result = run_benchmark(model, PROMPTS, "auto", max_new_tokens=24, warmup=0)
+    summary = summarize(result)
+    auto = summary.method("auto")
+    assert auto.sources is not None and set(auto.sources) == {"lookup", "layerskip"}
+    assert auto.drafted > 0
+    assert sum(s["drafted"] for s in auto.sources.values()) == auto.drafted
+    assert sum(s["accepted"] for s in auto.sources.values()) == auto.accepted
+    per_prompt = sum(r.stats["sources"]["lookup"]["rounds"] for r in result.by_method("auto"))
+    assert auto.sources["lookup"]["rounds"] == per_prompt
+    assert summary.method("vanilla").sources is None
+    report = markdown_report(summary)
+    assert "### draft sources" in report and "| auto | lookup |" in report

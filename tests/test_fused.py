@@ -155,24 +155,31 @@ def test_builtin_models_run_fused_and_agree_with_the_module_path(name, request):
     assert (out[True] - out[False]).abs().max().item() <= 1e-3 * out[False].abs().max().item()
 
 
-@pytest.mark.usefixtures("fp32_activations")
-def test_the_portable_c_path_computes_the_same_model(tmp_path):
-    """CPUs without AVX-512 build the plain-C path of both files: same logits within rounding, rows still exact."""
+@pytest.fixture(scope="module")
+def portable_lib(tmp_path_factory):
+    """The native library built without AVX-512 (the plain-C paths of every file), once for this module."""
     import ctypes
     import subprocess
 
-    from selfspec.core import fused
     from selfspec.core.quant import CFLAGS, SOURCES
 
-    lib_path = tmp_path / "portable.so"
+    lib_path = tmp_path_factory.mktemp("portable") / "portable.so"
     subprocess.run(["gcc", *CFLAGS, "-mno-avx512f", "-o", str(lib_path), *map(str, SOURCES), "-lm"], check=True)
+    return ctypes.CDLL(str(lib_path))
+
+
+@pytest.mark.usefixtures("fp32_activations")
+def test_the_portable_c_path_computes_the_same_model(portable_lib):
+    """CPUs without AVX-512 build the plain-C path of both files: same logits within rounding, rows still exact."""
+    from selfspec.core import fused
+
     model = quantised_tiny("qwen3")  # q/k norms: every norm path of the C code
     engine = model.engine
     specs, _ = engine.adapter.fused_layers()
     native_stack = engine._fused
     new = torch.tensor([7, 8, 9, 10])
     try:
-        engine._fused = fused.FusedStack(specs, lib=ctypes.CDLL(str(lib_path)))
+        engine._fused = fused.FusedStack(specs, lib=portable_lib)
         _, cache = prefilled(model, 30, fused=True)
         portable = engine.forward(cache, new, 30)
         steps = [engine.forward(cache, new[i : i + 1], 30 + i)[0] for i in range(len(new))]
@@ -214,22 +221,15 @@ def test_the_cache_holds_halves_under_int8_activations_and_floats_under_fp32(qti
     assert (half - full).abs().max().item() <= 5e-3 * full.abs().max().item()
 
 
-def test_the_portable_c_path_reads_and_writes_halves_as_the_vector_one(tmp_path):
+def test_the_portable_c_path_reads_and_writes_halves_as_the_vector_one(portable_lib):
     """Without AVX-512 the cache's halves are rounded and widened by plain C (_Float16) and attention's sums
     take the same fused multiply-adds in the same order: the same logits within rounding (norms and rotary
     part in their last bits), and a token's logits do not depend on how it was verified."""
-    import ctypes
-    import platform
-    import shutil
-    import subprocess
-
     from selfspec.core import fused
-    from selfspec.core.quant import CFLAGS, SOURCES, activations, int8_kernels_available
+    from selfspec.core.quant import activations, int8_kernels_available
 
-    if not int8_kernels_available() or platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs an x86-64 CPU with AVX512-VNNI and gcc")
-    lib_path = tmp_path / "portable.so"
-    subprocess.run(["gcc", *CFLAGS, "-mno-avx512f", "-o", str(lib_path), *map(str, SOURCES), "-lm"], check=True)
+    if not int8_kernels_available():
+        pytest.skip("needs a CPU with AVX512-VNNI (the vector stack's halves and int8 products)")
     new = torch.tensor([7, 8, 9, 10])
     with activations("int8"):
         # head_dim 72: four vector chunks and a partial one in the scores, a 64-wide block and a scalar tail
@@ -241,7 +241,7 @@ def test_the_portable_c_path_reads_and_writes_halves_as_the_vector_one(tmp_path)
         specs, _ = engine.adapter.fused_layers()
         native_stack = engine._fused
         try:
-            engine._fused = fused.FusedStack(specs, lib=ctypes.CDLL(str(lib_path)))
+            engine._fused = fused.FusedStack(specs, lib=portable_lib)
             _, cache = prefilled(model, 30, fused=True)
             assert cache.layer(0, 30)[0].dtype == torch.float16
             portable = engine.forward(cache, new, 30)

@@ -188,10 +188,29 @@ def markdown_report(summary: BenchSummary) -> str:
         + (_lossless_under_sampling(cfg["sampling"]) if cfg.get("sampling") else "")
         + ". Peers (hf*) are counted with forward hooks.",
     ]
+    lines += _sources_table(summary)
     errors = [r for r in summary.methods if r.errors]
     if errors:
         lines += ["", "Errors:"] + [f"- {r.label}: {r.errors} prompt(s): {r.error}" for r in errors]
     return "\n".join(lines) + "\n"
+
+
+def _sources_table(summary: BenchSummary) -> list[str]:
+    """Per draft source of each hybrid method (``auto``): its rounds, drafted and accepted tokens, acceptance, and
+    the time of its rounds (draft + verification) as a share of the method's time, over all prompts."""
+    rows = [r for r in summary.methods if r.sources]
+    if not rows:
+        return []
+    lines = ["", "### draft sources", "",
+             "| method | source | rounds | drafted | accepted | acceptance | share of time |",
+             "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        for name, st in r.sources.items():
+            acceptance = st["accepted"] / st["drafted"] if st["drafted"] else None
+            share = st["ms"] / 1000 / r.time if r.time else None
+            lines.append(f"| {r.label} | {name} | {int(st['rounds'])} | {int(st['drafted'])} | {int(st['accepted'])} "
+                         f"| {_pct(acceptance)} | {_pct(share)} |")  # fmt: skip
+    return lines
 
 
 # -- plots ----------------------------------------------------------------------------------

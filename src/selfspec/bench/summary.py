@@ -64,6 +64,7 @@ class MethodSummary:
     lossy_prompts: tuple[int, ...] = ()
     skip_frequency: dict[str, list[float]] | None = field(default=None, repr=False)  # per layer, over prompts
     mean_skipped: float | None = None  # sublayers skipped per prompt, on average
+    sources: dict[str, dict[str, float]] | None = None  # hybrid drafting: rounds, drafted, accepted, ms per source
 
     @property
     def status(self) -> str:
@@ -133,6 +134,18 @@ def _per_forward(recs: Sequence[PromptRecord], time_key: str, forwards: float) -
 
 def _verify_forwards(recs: Sequence[PromptRecord]) -> float:
     return sum(max(0, int(r.stats["forwards"]) - 1) for r in recs if r.stats)
+
+
+def _sources(recs: Sequence[PromptRecord]) -> dict[str, dict[str, float]] | None:
+    """A hybrid's per-source statistics (``GenerationStats.sources``: rounds, drafted, accepted tokens, ms of its
+    rounds) summed over the prompts; None when no prompt reports any."""
+    out: dict[str, dict[str, float]] = {}
+    for r in recs:
+        for name, st in (r.stats.get("sources") or {}).items():
+            acc = out.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0, "ms": 0.0})
+            for key in acc:
+                acc[key] += st.get(key, 0)
+    return out or None
 
 
 def _skip_frequency(
@@ -246,6 +259,7 @@ def summarize_method(
         lossy_prompts=lossy,
         skip_frequency=freq,
         mean_skipped=mean_skipped,
+        sources=_sources(ok),
     )
 
 
