@@ -168,18 +168,17 @@ def portable_lib(tmp_path_factory):
     return ctypes.CDLL(str(lib_path))
 
 
-@pytest.mark.usefixtures("fp32_activations")
-def test_the_portable_c_path_computes_the_same_model(portable_lib):
-    """CPUs without AVX-512 build the plain-C path of both files: same logits within rounding, rows still exact."""
+def _portable_and_native(model, lib):
+    """A 4-token chain after a 30-token prompt through the portable library (whose one-token steps must give the
+    chain's rows bit for bit) and through the native one: (portable logits, native logits, the native cache)."""
     from selfspec.core import fused
 
-    model = quantised_tiny("qwen3")  # q/k norms: every norm path of the C code
     engine = model.engine
     specs, _ = engine.adapter.fused_layers()
     native_stack = engine._fused
     new = torch.tensor([7, 8, 9, 10])
     try:
-        engine._fused = fused.FusedStack(specs, lib=portable_lib)
+        engine._fused = fused.FusedStack(specs, lib=lib)
         _, cache = prefilled(model, 30, fused=True)
         portable = engine.forward(cache, new, 30)
         steps = [engine.forward(cache, new[i : i + 1], 30 + i)[0] for i in range(len(new))]
@@ -187,7 +186,13 @@ def test_the_portable_c_path_computes_the_same_model(portable_lib):
     finally:
         engine._fused = native_stack
     _, cache = prefilled(model, 30, fused=True)
-    ref = engine.forward(cache, new, 30)
+    return portable, engine.forward(cache, new, 30), cache
+
+
+@pytest.mark.usefixtures("fp32_activations")
+def test_the_portable_c_path_computes_the_same_model(portable_lib):
+    """CPUs without AVX-512 build the plain-C path of both files: same logits within rounding, rows still exact."""
+    portable, ref, _ = _portable_and_native(quantised_tiny("qwen3"), portable_lib)  # q/k norms: every norm path
     assert (portable - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
@@ -225,30 +230,16 @@ def test_the_portable_c_path_reads_and_writes_halves_as_the_vector_one(portable_
     """Without AVX-512 the cache's halves are rounded and widened by plain C (_Float16) and attention's sums
     take the same fused multiply-adds in the same order: the same logits within rounding (norms and rotary
     part in their last bits), and a token's logits do not depend on how it was verified."""
-    from selfspec.core import fused
     from selfspec.core.quant import activations, int8_kernels_available
 
     if not int8_kernels_available():
         pytest.skip("needs a CPU with AVX512-VNNI (the vector stack's halves and int8 products)")
-    new = torch.tensor([7, 8, 9, 10])
     with activations("int8"):
         # head_dim 72: four vector chunks and a partial one in the scores, a 64-wide block and a scalar tail
         # in the weighted values
         model = tiny_model("llama", seed=5, hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=72)
         quantize_linears(model.hf, 8)
         model = selfspec.model_from_hf(model.hf, model.tokenizer, name="tiny-llama-4x72")
-        engine = model.engine
-        specs, _ = engine.adapter.fused_layers()
-        native_stack = engine._fused
-        try:
-            engine._fused = fused.FusedStack(specs, lib=portable_lib)
-            _, cache = prefilled(model, 30, fused=True)
-            assert cache.layer(0, 30)[0].dtype == torch.float16
-            portable = engine.forward(cache, new, 30)
-            steps = [engine.forward(cache, new[i : i + 1], 30 + i)[0] for i in range(len(new))]
-            assert all(torch.equal(steps[i], portable[i]) for i in range(len(new)))
-        finally:
-            engine._fused = native_stack
-        _, cache = prefilled(model, 30, fused=True)
-        ref = engine.forward(cache, new, 30)
+        portable, ref, cache = _portable_and_native(model, portable_lib)
+    assert cache.layer(0, 30)[0].dtype == torch.float16
     assert (portable - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
