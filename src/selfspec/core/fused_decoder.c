@@ -224,6 +224,19 @@ static void kv_put(void *base, long i, const float *x, long n, int kv16) {
     for (; j < n; j++) d[j] = (_Float16)x[j]; /* round to nearest even, as the vector conversion */
 }
 
+/* out_r[d] for dimensions d0 <= d < hd, one at a time (the portable path: all of them; the vector path: those
+ * past its 64-wide blocks), by the same fused multiply-adds in key order as the vector blocks */
+static void weighted_dims(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
+                          long d0, long hd, float *out) {
+    for (int r = 0; r < R; r++) {
+        const float *pr = p + r * pstride;
+        float *o = out + r * hd;
+        for (long d = d0; d < hd; d++) o[d] = 0.0f;
+        for (long i = 0; i < m; i++)
+            for (long d = d0; d < hd; d++) o[d] = fmaf(pr[i], kv_get(vc, list[i] * hd + d, kv16), o[d]);
+    }
+}
+
 /* Attention's two sums, for R rows (query heads sharing one key/value head and one list of visible keys,
  * contiguous in q and out, hd apart; rows of p pstride apart), each row's numbers those it gets alone:
  *   score p_r[i] = scaling * (q_r . key list[i]): per lane l < 16, the products of dimensions l, l + 16, ...
@@ -359,13 +372,7 @@ static void weighted_values(int R, int kv16, const float *p, long pstride, const
         ROWS_SWITCH(R, WEIGHTED)
 #undef WEIGHTED
     }
-    for (int r = 0; d0 < hd && r < R; r++) { /* dimensions past the last 64: the same operations, one at a time */
-        const float *pr = p + r * pstride;
-        float *o = out + r * hd;
-        for (long d = d0; d < hd; d++) o[d] = 0.0f;
-        for (long i = 0; i < m; i++)
-            for (long d = d0; d < hd; d++) o[d] = fmaf(pr[i], kv_get(vc, list[i] * hd + d, kv16), o[d]);
-    }
+    weighted_dims(R, kv16, p, pstride, list, m, vc, d0, hd, out);
 }
 #else
 static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
@@ -387,13 +394,7 @@ static void scores(int R, int kv16, const float *q, const void *kc, long hd, con
 
 static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
                             long hd, float *out) {
-    for (int r = 0; r < R; r++) {
-        const float *pr = p + r * pstride;
-        float *o = out + r * hd;
-        for (long d = 0; d < hd; d++) o[d] = 0.0f;
-        for (long i = 0; i < m; i++)
-            for (long d = 0; d < hd; d++) o[d] = fmaf(pr[i], kv_get(vc, list[i] * hd + d, kv16), o[d]);
-    }
+    weighted_dims(R, kv16, p, pstride, list, m, vc, 0, hd, out);
 }
 #endif
 
