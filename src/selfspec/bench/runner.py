@@ -174,9 +174,60 @@ class _Runner:
             error=error,
         )
 
+    def warm_up(self, prompts: Sequence[PromptItem], bar: Any) -> None:
+        """Every method on each of ``prompts``, a fresh session each time; the records are discarded."""
+        for i, item in enumerate(prompts):
+            for m in self.methods:
+                if bar is not None:
+                    bar.set_description(f"warm-up {i + 1}/{len(prompts)} {m.label}")
+                self.record(-1, item, m, None if m.is_peer else self.session(m))
 
-# Long (~95 lines) on purpose for now: one fair measurement loop (warm-up, interleaved methods, peak memory,
-# baseline pairing) reads best in one place; splitting it is left for a later issue (issue 16 follow-up).
+    def timed_run(self, prompts: Sequence[PromptItem], bar: Any, on_progress: ProgressFn | None) -> list[PromptRecord]:
+        """The timed run: the same sessions throughout, methods interleaved prompt by prompt.
+
+        A peer that fails once is skipped for the remaining prompts.
+        """
+        sessions = {m.label: self.session(m) for m in self.methods if not m.is_peer}
+        # transformers' modules compute norms and attention with other last bits than the fused stack; int8
+        # activations turn those into rounding flips and logits a few percent apart, so the peers' tokens are not
+        # compared then (test_int8_kernels.py; docs/engine.md "int8 activations")
+        int8_model = getattr(self.model, "quantization", "none") != "none" and quant.int8_activations()
+        failed_peers: dict[str, str] = {}
+        records: list[PromptRecord] = []
+        total = len(prompts) * len(self.methods)
+        for i, item in enumerate(prompts):
+            row: list[PromptRecord] = []
+            for m in self.methods:
+                if bar is not None:
+                    bar.set_description(f"prompt {i + 1}/{len(prompts)} {m.label}")
+                if m.label in failed_peers:
+                    rec = _skipped(i, item, m, failed_peers[m.label])
+                else:
+                    rec = self.record(i, item, m, sessions.get(m.label))
+                    if rec.error is not None and m.is_peer:
+                        failed_peers[m.label] = rec.error
+                row.append(rec)
+                if bar is not None:
+                    bar.update(1)
+                if on_progress is not None:
+                    on_progress(len(records) + len(row), total, m.label)
+            records.extend(self.judged(i, row, int8_model))
+        return records
+
+    def judged(self, index: int, row: list[PromptRecord], int8_model: bool) -> list[PromptRecord]:
+        """One prompt's records with ``identical_to_vanilla`` set where the output must equal the baseline's."""
+        baseline = baseline_of(self.methods)
+        base = next(r for r in row if r.method == baseline.label)
+        out = []
+        for m, rec in zip(self.methods, row, strict=True):
+            judged = rec.ok and base.ok and _comparable(self.sampling_for(index, m), self.sampling_for(index, baseline))
+            if m.is_peer:  # a peer samples with its own generator: judged on greedy output only
+                judged = judged and PEERS[m.name].judged and self.sampling.greedy and not int8_model
+            same = rec.token_ids == base.token_ids if judged else None
+            out.append(dataclasses.replace(rec, identical_to_vanilla=same))
+        return out
+
+
 def run_benchmark(
     model: Model,
     prompts: Sequence[PromptItem],
@@ -199,70 +250,22 @@ def run_benchmark(
     peer; under sampling no output is compared with vanilla's.  With ``measure_cosine`` and no method that measured the
     per-sublayer cosine itself, one untimed prefill per prompt measures it.
     """
-    specs = parse_methods(methods) if isinstance(methods, str) else with_baseline(methods)
-    if not prompts:
-        raise InvalidInputError("no prompts to benchmark")
-    if max_new_tokens < 1:
-        raise InvalidInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    skipped = {m.label: why for m in specs if m.is_peer and (why := check_peer(model, m))}
-    for label, why in skipped.items():
-        print(f"selfspec bench: {label} skipped: {why}", file=sys.stderr)
-    specs = [m for m in specs if m.label not in skipped]
+    specs = _runnable_methods(model, prompts, methods, max_new_tokens)
     if threads is not None:
         torch.set_num_threads(threads)
     runner = _Runner(model, specs, max_new_tokens, sampling)
-    baseline = baseline_of(specs)
-
-    total = len(prompts) * len(specs)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, file=sys.stderr, unit="gen", dynamic_ncols=True, leave=True)
-
+        bar = tqdm(total=len(prompts) * len(specs), file=sys.stderr, unit="gen", dynamic_ncols=True, leave=True)
     # 1. warm-up, discarded
-    for i, item in enumerate(prompts[: max(0, warmup)]):
-        for m in specs:
-            if bar is not None:
-                bar.set_description(f"warm-up {i + 1}/{min(warmup, len(prompts))} {m.label}")
-            runner.record(-1, item, m, None if m.is_peer else runner.session(m))
-
-    # 2. the timed run: same sessions throughout, methods interleaved prompt by prompt
-    sessions = {m.label: runner.session(m) for m in specs if not m.is_peer}
-    # transformers' modules compute norms and attention with other last bits than the fused stack; int8
-    # activations turn those into rounding flips and logits a few percent apart, so the peers' tokens are not
-    # compared then (test_int8_kernels.py; README "int8 activations")
-    int8_model = getattr(model, "quantization", "none") != "none" and quant.int8_activations()
-    failed_peers: dict[str, str] = {}
-    records: list[PromptRecord] = []
-    done = 0
-    for i, item in enumerate(prompts):
-        row: list[PromptRecord] = []
-        for m in specs:
-            if bar is not None:
-                bar.set_description(f"prompt {i + 1}/{len(prompts)} {m.label}")
-            if m.label in failed_peers:
-                rec = _skipped(i, item, m, failed_peers[m.label])
-            else:
-                rec = runner.record(i, item, m, sessions.get(m.label))
-                if rec.error is not None and m.is_peer:
-                    failed_peers[m.label] = rec.error
-            row.append(rec)
-            done += 1
-            if bar is not None:
-                bar.update(1)
-            if on_progress is not None:
-                on_progress(done, total, m.label)
-        base = next(r for r in row if r.method == baseline.label)
-        for m, rec in zip(specs, row, strict=True):
-            judged = rec.ok and base.ok and _comparable(runner.sampling_for(i, m), runner.sampling_for(i, baseline))
-            if m.is_peer:  # a peer samples with its own generator: judged on greedy output only
-                judged = judged and PEERS[m.name].judged and sampling.greedy and not int8_model
-            same = rec.token_ids == base.token_ids if judged else None
-            records.append(dataclasses.replace(rec, identical_to_vanilla=same))
+    runner.warm_up(prompts[: max(0, warmup)], bar)
+    # 2. the timed run, each prompt's outputs compared with the baseline's
+    records = runner.timed_run(prompts, bar, on_progress)
     if bar is not None:
         bar.close()
-
+    # 3. the per-sublayer cosine, untimed, when no method measured it
     cosine = None
     if measure_cosine and not any(r.stats and r.stats.get("cosine") for r in records):
         cosine = tuple(_prompt_cosine(model, item.prompt) for item in prompts)
@@ -279,6 +282,20 @@ def run_benchmark(
         sampling=sampling,
         cosine=cosine,
     )
+
+
+def _runnable_methods(model: Model, prompts: Sequence[PromptItem], methods: str | Sequence[BenchMethod | str],
+                      max_new_tokens: int) -> list[BenchMethod]:  # fmt: skip
+    """The methods checked, vanilla added; a peer that cannot run this model is left out with a note on stderr."""
+    specs = parse_methods(methods) if isinstance(methods, str) else with_baseline(methods)
+    if not prompts:
+        raise InvalidInputError("no prompts to benchmark")
+    if max_new_tokens < 1:
+        raise InvalidInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    skipped = {m.label: why for m in specs if m.is_peer and (why := check_peer(model, m))}
+    for label, why in skipped.items():
+        print(f"selfspec bench: {label} skipped: {why}", file=sys.stderr)
+    return [m for m in specs if m.label not in skipped]
 
 
 def _skipped(index: int, item: PromptItem, method: BenchMethod, error: str) -> PromptRecord:

@@ -172,8 +172,6 @@ def expected_speedup(M: float | None, alpha: float | None, c: float | None) -> f
     return M * alpha / denom if denom > 0 else None
 
 
-# Long (~85 lines): one flat list of per-method aggregates (means, speedups, memory, acceptance histograms);
-# each line is one figure of the summary.  A split into figure groups is left for a follow-up of issue 16.
 def summarize_method(
     result: BenchResult,
     method: BenchMethod,
@@ -185,47 +183,19 @@ def summarize_method(
     ok = [r for r in mine if r.ok and r.stats]
     errs = [r for r in mine if not r.ok]
     base_recs = [r for r in records if r.method == result.baseline.label]
+    base_ok = [r for r in base_recs if r.ok and r.stats]
     hf = hf_of(result.methods)
     hf_recs = [r for r in records if hf is not None and r.method == hf.label]
 
+    # 1. speed: tokens per second and the speedups over vanilla and over transformers' generate()
     new_tokens = int(_sum(ok, "new_tokens"))
     wall = sum(r.time for r in ok)
     speedup, speedup_mean = _speedups(ok, base_recs)
     vs_hf, vs_hf_mean = _speedups(ok, hf_recs) if hf is not None else (None, None)
-
-    forwards = _sum(ok, "forwards")
-    drafted, accepted = int(_sum(ok, "drafted")), int(_sum(ok, "accepted"))
-    M = _ratio(new_tokens, forwards)
-    alpha = _ratio(accepted, drafted)
-    # a draft pass's cost: the drafting time of rounds that ran passes (n-gram rounds of a hybrid ran none)
-    pass_time = "draft_pass_time" if all(r.stats.get("draft_pass_time") is not None for r in ok) else "draft_time"
-    draft_cost = _per_forward(ok, pass_time, _sum(ok, "draft_forwards"))
-    verify_cost = _per_forward(ok, "verify_time", _verify_forwards(ok))
-    c = draft_cost / verify_cost if draft_cost is not None and verify_cost else None
-    if drafted and c is None:
-        c = 0.0  # drafting without model forwards (prompt lookup): free drafts
-    E = expected_speedup(M, alpha, c) if drafted else None
-    base_ok = [r for r in base_recs if r.ok and r.stats]
-    vanilla_step = _per_forward(base_ok, "verify_time", _verify_forwards(base_ok))
-    v = verify_cost / vanilla_step if verify_cost is not None and vanilla_step else None
-    E_adj = E / v if E is not None and v else None
-
-    total = _sum(ok, "total_time")
-    shares = None
-    if total > 0:
-        parts = {k: _sum(ok, f"{k}_time") / total for k in ("prefill", "draft", "verify", "optimise")}
-        parts["other"] = max(0.0, 1.0 - sum(parts.values()))
-        shares = parts
-
-    peaks = [r.peak_rss_mb for r in ok if r.peak_rss_mb is not None]
-    deltas = [r.rss_delta_mb for r in ok if r.rss_delta_mb is not None]
-    base_peaks = [r.peak_rss_mb for r in base_ok if r.peak_rss_mb is not None]
-    peak = max(peaks) if peaks else None
-    memory_ratio = peak / max(base_peaks) if peak is not None and base_peaks and max(base_peaks) > 0 else None
-
+    # 2. lossless: every output compared with vanilla's equal to it (None: none could be compared)
     compared = [r for r in ok if r.identical_to_vanilla is not None]
     lossy = tuple(r.index for r in compared if not r.identical_to_vanilla)
-    lossless = (not lossy) if compared else None
+    # 3. acceptance and cost (_acceptance_and_cost), time shares, memory, skipped sublayers, draft sources
     freq, mean_skipped = _skip_frequency(ok, result.num_layers)
     return MethodSummary(
         label=method.label,
@@ -243,24 +213,65 @@ def summarize_method(
         speedup_mean=speedup_mean,
         speedup_vs_hf=vs_hf,
         speedup_vs_hf_mean=vs_hf_mean,
-        M=M,
-        acceptance_rate=alpha,
-        drafted=drafted,
-        accepted=accepted,
-        c=c,
-        expected_speedup=E,
-        verify_cost=v,
-        expected_speedup_verify_adjusted=E_adj,
-        time_shares=shares,
-        peak_rss_mb=peak,
-        rss_delta_mb=max(deltas) if deltas else None,
-        memory_ratio=memory_ratio,
-        lossless=lossless,
+        **_acceptance_and_cost(ok, base_ok, new_tokens),
+        time_shares=_time_shares(ok),
+        **_memory(ok, base_ok),
+        lossless=(not lossy) if compared else None,
         lossy_prompts=lossy,
         skip_frequency=freq,
         mean_skipped=mean_skipped,
         sources=_sources(ok),
     )
+
+
+def _acceptance_and_cost(
+    ok: Sequence[PromptRecord], base_ok: Sequence[PromptRecord], new_tokens: int
+) -> dict[str, Any]:
+    """M, the acceptance rate, the draft/verify cost ratio c and the speedups the cost model expects."""
+    forwards = _sum(ok, "forwards")
+    drafted, accepted = int(_sum(ok, "drafted")), int(_sum(ok, "accepted"))
+    M = _ratio(new_tokens, forwards)
+    alpha = _ratio(accepted, drafted)
+    # a draft pass's cost: the drafting time of rounds that ran passes (n-gram rounds of a hybrid ran none)
+    pass_time = "draft_pass_time" if all(r.stats.get("draft_pass_time") is not None for r in ok) else "draft_time"
+    draft_cost = _per_forward(ok, pass_time, _sum(ok, "draft_forwards"))
+    verify_cost = _per_forward(ok, "verify_time", _verify_forwards(ok))
+    c = draft_cost / verify_cost if draft_cost is not None and verify_cost else None
+    if drafted and c is None:
+        c = 0.0  # drafting without model forwards (prompt lookup): free drafts
+    E = expected_speedup(M, alpha, c) if drafted else None
+    vanilla_step = _per_forward(base_ok, "verify_time", _verify_forwards(base_ok))
+    v = verify_cost / vanilla_step if verify_cost is not None and vanilla_step else None
+    return {
+        "M": M,
+        "acceptance_rate": alpha,
+        "drafted": drafted,
+        "accepted": accepted,
+        "c": c,
+        "expected_speedup": E,
+        "verify_cost": v,
+        "expected_speedup_verify_adjusted": E / v if E is not None and v else None,
+    }
+
+
+def _time_shares(ok: Sequence[PromptRecord]) -> dict[str, float] | None:
+    """The shares of the generation time spent in prefill, drafting, verification, optimisation and the rest."""
+    total = _sum(ok, "total_time")
+    if total <= 0:
+        return None
+    parts = {k: _sum(ok, f"{k}_time") / total for k in ("prefill", "draft", "verify", "optimise")}
+    parts["other"] = max(0.0, 1.0 - sum(parts.values()))
+    return parts
+
+
+def _memory(ok: Sequence[PromptRecord], base_ok: Sequence[PromptRecord]) -> dict[str, float | None]:
+    """Peak resident memory, its growth during a generation, and the peak over vanilla's."""
+    peaks = [r.peak_rss_mb for r in ok if r.peak_rss_mb is not None]
+    deltas = [r.rss_delta_mb for r in ok if r.rss_delta_mb is not None]
+    base_peaks = [r.peak_rss_mb for r in base_ok if r.peak_rss_mb is not None]
+    peak = max(peaks) if peaks else None
+    memory_ratio = peak / max(base_peaks) if peak is not None and base_peaks and max(base_peaks) > 0 else None
+    return {"peak_rss_mb": peak, "rss_delta_mb": max(deltas) if deltas else None, "memory_ratio": memory_ratio}
 
 
 def _mean_cosine(result: BenchResult) -> dict[str, Any] | None:

@@ -234,9 +234,9 @@ class Calibration:
 
 ProgressFn = Callable[[Observation, SearchState], None]
 
+_DRAFT_OPTIONS = ("max_draft", "gamma", "draft_length", "draft_dtype")
 
-# TODO(issue 16): ~140 lines, the longest function left: resume, calibration, vanilla baseline, the
-# Bayesian-optimisation loop and progress output in one.  Split into a SearchRun class like train/s3d.py's _Run.
+
 def search_skip_set(
     model: Model,
     prompts: Sequence[PromptItem],
@@ -260,61 +260,25 @@ def search_skip_set(
     ``draft_options`` (``max_draft``, ``gamma``, ``draft_length``) configure the
     draft length while measuring, and should match how the set will be used.
     """
-    from bayes_opt import BayesianOptimization
-
-    if iterations < 1:
-        raise InvalidInputError(f"iterations must be >= 1, got {iterations}")
-    if init_points < 0:
-        raise InvalidInputError(f"init_points must be >= 0, got {init_points}")
-    if time_budget is not None and time_budget <= 0:
-        raise InvalidInputError(f"time budget must be > 0 seconds, got {time_budget}")
-    draft_options = dict(draft_options or {})
-    valid = ("max_draft", "gamma", "draft_length", "draft_dtype")
-    unknown = sorted(set(draft_options) - set(valid))
-    if unknown:
-        raise InvalidInputError(f"unknown draft option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-    _, draft_policy = build_policies("static", {"skip_set": SkipSet(), **draft_options})  # checks the values
+    # 1. check the options (before the calibration prompts' prefills, which take time)
+    draft_options, max_nodes = _check_options(iterations, init_points, time_budget, draft_options)
     out = Path(out)
     state_path = Path(state_path) if state_path is not None else out.with_name(out.name + ".state.json")
-    L = model.num_layers
     calibration_info = {**(calibration_info or {}), "prompts": len(prompts), "max_new_tokens": max_new_tokens}
-    calib = Calibration(model, prompts, max_new_tokens, draft_policy.max_nodes)
-
-    if state_path.exists():
-        state = SearchState.load(state_path)
-        if (state.model, state.num_layers, state.calibration) != (model.name, L, calibration_info):
-            raise InvalidInputError(
-                f"search state {state_path} belongs to another search (model {state.model}, "
-                f"calibration {state.calibration}); pass another --state or delete it"
-            )
-    else:
-        state = SearchState(model.name, L, calibration_info)
-
-    names = param_names(L)
-    optimizer = BayesianOptimization(
-        f=None, pbounds={n: (0.0, 1.0) for n in names}, random_state=seed, verbose=0, allow_duplicate_points=True
-    )
-    for o in state.observations:
-        optimizer.register(params=dict(zip(names, o.params, strict=True)), target=o.speedup)
-    measured = {(tuple(o.attention), tuple(o.mlp)): o for o in state.observations if o.measured}
-
+    # 2. prefill the calibration prompts, resume or start the state, replay it into the optimiser
+    calib = Calibration(model, prompts, max_new_tokens, max_nodes)
+    state = _load_or_start(state_path, model, calibration_info)
+    run = _SearchRun(calib, state, draft_options, init_points, seed)
+    # 3. the vanilla baseline, measured once per search (it is in the state)
     t_start = time.perf_counter()
     elapsed_before = state.elapsed
     if state.vanilla_tokens_per_second is None:
         state.vanilla_tokens_per_second = calib.measure("vanilla").tokens_per_second
         state.save(state_path)
-    vanilla_tps = state.vanilla_tokens_per_second
-
-    seeds: list[tuple[str, SkipSet]] = []
     if len(state.observations) < iterations:
-        tried = {o.source for o in state.observations}
-        seeds = [(f"seed:{n}", s) for n, s in seed_skip_sets(L, calib.cosine()).items() if f"seed:{n}" not in tried]
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=iterations, initial=min(len(state.observations), iterations), file=sys.stderr, unit="set")
+        run.queue_seeds()
+    # 4. observe until the iterations, the time budget or Ctrl-C; the state is saved after each one
+    bar = _progress_bar(iterations, len(state.observations)) if progress else None
     stop_reason = "iterations"
     new = 0
     try:
@@ -322,39 +286,7 @@ def search_skip_set(
             if time_budget is not None and time.perf_counter() - t_start >= time_budget:
                 stop_reason = "time budget"
                 break
-            index = len(state.observations)
-            if seeds:
-                source, skip = seeds.pop(0)
-                params = to_params(skip, L)
-            else:
-                random_phase = sum(o.source == "random" for o in state.observations) < init_points
-                point = optimizer.random_sample(1)[0] if random_phase else optimizer.suggest()
-                params = [float(point[n]) for n in names]
-                source = "random" if random_phase else "bo"
-                skip = to_skip_set(params, L)
-            key = (tuple(sorted(skip.attention)), tuple(sorted(skip.mlp)))
-            if skip.is_empty:  # the draft would be the full model: never faster than vanilla, not worth measuring
-                obs = Observation(index, source, params, [], [], 0.0, 0.0, 0.0, 0.0, 0.0, measured=False)
-            elif key in measured:
-                obs = replace(measured[key], iteration=index, source=source, params=params, seconds=0.0, measured=False)
-            else:
-                m = calib.measure("static", skip_set=skip, **draft_options)
-                speedup = m.tokens_per_second / vanilla_tps if vanilla_tps else 0.0
-                obs = Observation(
-                    index,
-                    source,
-                    params,
-                    list(key[0]),
-                    list(key[1]),
-                    speedup,
-                    m.tokens_per_second,
-                    m.M,
-                    m.acceptance_rate,
-                    m.seconds,
-                )
-                measured[key] = obs
-            optimizer.register(params=dict(zip(names, params, strict=True)), target=obs.speedup)
-            state.observations.append(obs)
+            obs = run.observe_next()
             state.elapsed = elapsed_before + time.perf_counter() - t_start
             state.save(state_path)
             new += 1
@@ -373,9 +305,108 @@ def search_skip_set(
             bar.close()
         state.elapsed = elapsed_before + time.perf_counter() - t_start
         state.save(state_path)
+    # 5. the best set, with its meta, to ``out``
     if state.best is None:
         raise InvalidInputError("the search made no observation (time budget too small?)")
     return SearchResult(_write_best(state, out), state, new, stop_reason)
+
+
+def _check_options(
+    iterations: int, init_points: int, time_budget: float | None, draft_options: dict[str, Any] | None
+) -> tuple[dict[str, Any], int]:
+    """The search's options checked; returns the draft options and the draft's most tree nodes."""
+    if iterations < 1:
+        raise InvalidInputError(f"iterations must be >= 1, got {iterations}")
+    if init_points < 0:
+        raise InvalidInputError(f"init_points must be >= 0, got {init_points}")
+    if time_budget is not None and time_budget <= 0:
+        raise InvalidInputError(f"time budget must be > 0 seconds, got {time_budget}")
+    draft_options = dict(draft_options or {})
+    unknown = sorted(set(draft_options) - set(_DRAFT_OPTIONS))
+    if unknown:
+        raise InvalidInputError(f"unknown draft option(s) {', '.join(unknown)}; valid: {', '.join(_DRAFT_OPTIONS)}")
+    _, draft_policy = build_policies("static", {"skip_set": SkipSet(), **draft_options})  # checks the values
+    return draft_options, draft_policy.max_nodes
+
+
+def _load_or_start(state_path: Path, model: Model, calibration_info: dict[str, Any]) -> SearchState:
+    """The saved state when it belongs to this search (same model and calibration data), else a new one."""
+    if not state_path.exists():
+        return SearchState(model.name, model.num_layers, calibration_info)
+    state = SearchState.load(state_path)
+    if (state.model, state.num_layers, state.calibration) != (model.name, model.num_layers, calibration_info):
+        raise InvalidInputError(
+            f"search state {state_path} belongs to another search (model {state.model}, "
+            f"calibration {state.calibration}); pass another --state or delete it"
+        )
+    return state
+
+
+def _progress_bar(total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=min(initial, total), file=sys.stderr, unit="set")
+
+
+class _SearchRun:
+    """The optimiser and the candidates: seeds first, then random points, then the optimiser's suggestions.
+
+    A candidate whose skip set was measured before reuses its figures; an empty set is not measured.
+    """
+
+    def __init__(self, calib: Calibration, state: SearchState, draft_options: dict[str, Any], init_points: int,
+                 seed: int) -> None:  # fmt: skip
+        from bayes_opt import BayesianOptimization
+
+        self.calib, self.state = calib, state
+        self.draft_options, self.init_points = draft_options, init_points
+        self.L = state.num_layers
+        self.names = param_names(self.L)
+        self.optimizer = BayesianOptimization(
+            f=None, pbounds={n: (0.0, 1.0) for n in self.names}, random_state=seed, verbose=0,
+            allow_duplicate_points=True,
+        )  # fmt: skip
+        for o in state.observations:
+            self.optimizer.register(params=dict(zip(self.names, o.params, strict=True)), target=o.speedup)
+        self.measured = {(tuple(o.attention), tuple(o.mlp)): o for o in state.observations if o.measured}
+        self.seeds: list[tuple[str, SkipSet]] = []
+
+    def queue_seeds(self) -> None:
+        """The known-good starting points not yet tried (a resumed search has tried some)."""
+        tried = {o.source for o in self.state.observations}
+        seeds = seed_skip_sets(self.L, self.calib.cosine())
+        self.seeds = [(f"seed:{n}", s) for n, s in seeds.items() if f"seed:{n}" not in tried]
+
+    def next_candidate(self) -> tuple[str, list[float], SkipSet]:
+        """(source, the optimiser's point, its skip set)."""
+        if self.seeds:
+            source, skip = self.seeds.pop(0)
+            return source, to_params(skip, self.L), skip
+        random_phase = sum(o.source == "random" for o in self.state.observations) < self.init_points
+        point = self.optimizer.random_sample(1)[0] if random_phase else self.optimizer.suggest()
+        params = [float(point[n]) for n in self.names]
+        return ("random" if random_phase else "bo"), params, to_skip_set(params, self.L)
+
+    def observe_next(self) -> Observation:
+        """Measure the next candidate (or reuse its set's figures), register it and append it to the state."""
+        index = len(self.state.observations)
+        source, params, skip = self.next_candidate()
+        key = (tuple(sorted(skip.attention)), tuple(sorted(skip.mlp)))
+        if skip.is_empty:  # the draft would be the full model: never faster than vanilla, not worth measuring
+            obs = Observation(index, source, params, [], [], 0.0, 0.0, 0.0, 0.0, 0.0, measured=False)
+        elif key in self.measured:
+            obs = replace(self.measured[key], iteration=index, source=source, params=params, seconds=0.0,
+                          measured=False)  # fmt: skip
+        else:
+            m = self.calib.measure("static", skip_set=skip, **self.draft_options)
+            vanilla_tps = self.state.vanilla_tokens_per_second
+            speedup = m.tokens_per_second / vanilla_tps if vanilla_tps else 0.0
+            obs = Observation(index, source, params, list(key[0]), list(key[1]), speedup, m.tokens_per_second, m.M,
+                              m.acceptance_rate, m.seconds)  # fmt: skip
+            self.measured[key] = obs
+        self.optimizer.register(params=dict(zip(self.names, params, strict=True)), target=obs.speedup)
+        self.state.observations.append(obs)
+        return obs
 
 
 def _write_best(state: SearchState, out: Path) -> SkipSet:
