@@ -7,7 +7,9 @@
 
 A :class:`Session` keeps what a method learns between prompts (for instance
 Draft & Verify's confidence threshold, SWIFT's skip set); the module-level
-functions start a fresh one per call.
+functions start a fresh one per call.  A Session also keeps the keys and values of its recent sequences
+(:class:`~selfspec.core.prefix_store.PrefixStore`, ``prefix_cache`` MB, default 256): a next turn that extends
+an earlier prompt and answer prefills only its new tokens, with the same output as a whole prefill.
 
 Decoding is greedy unless ``temperature`` > 0; then ``top_k``, ``top_p``,
 ``min_p``, ``repetition_penalty`` and ``seed`` apply, and every method samples
@@ -22,13 +24,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .core.prefix_store import DEFAULT_MB, PrefixStore
 from .core.sampling import SamplingParams
 from .cost.costs import prepare_costs
 from .decoding.loop import Decoder, GenerationStats
 from .methods import build_policies
 from .model.models import Model, load
 
-Prompt = str | Sequence[dict]
+Prompt = str | Sequence[dict] | Sequence[int]  # raw text, chat messages, or token ids
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,20 @@ class Session:
     Not thread-safe: the policies, the drafter's economy and the model's
     draft-precision copies change during a generation.  Use one session per
     thread (and one model per thread where generations run at the same time).
+
+    ``prefix_cache``: the bound in MB of the session's own prefix store (default 256; 0: none), or a
+    :class:`~selfspec.core.prefix_store.PrefixStore` to share (a server's sessions share one).
     """
 
-    def __init__(self, model: Model | str, method: str = "auto", **options: Any) -> None:
+    def __init__(self, model: Model | str, method: str = "auto", *, prefix_cache: float | PrefixStore | None = None,
+                 **options: Any) -> None:  # fmt: skip
         self.model = load(model) if isinstance(model, str) else model
         self.method = method
         self.options = options
+        if isinstance(prefix_cache, PrefixStore):
+            self.prefix_store = prefix_cache
+        else:
+            self.prefix_store = PrefixStore.of_mb(DEFAULT_MB if prefix_cache is None else float(prefix_cache))
         self.skip_policy, self.draft_policy = build_policies(method, options)
         prepare_costs(self.model, self.skip_policy, self.draft_policy)  # measured now, never inside a timed run
         self.last_result: GenerationResult | None = None
@@ -59,14 +70,16 @@ class Session:
         return self.last_result.stats if self.last_result else None
 
     def _decoder(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingParams) -> Decoder:
+        ids = list(prompt) if _token_ids(prompt) else self.model.encode(prompt)
         return Decoder(
             self.model,
-            self.model.encode(prompt),
+            ids,
             max_new_tokens=max_new_tokens,
             method=self.method,
             skip_policy=self.skip_policy,
             draft_policy=self.draft_policy,
             sampling=sampling,
+            prefix_store=self.prefix_store if self.prefix_store.enabled else None,
         )
 
     def generate(
@@ -148,6 +161,10 @@ class Piece:
     drafted: int  # of which accepted from the draft
 
 
+def _token_ids(prompt: Prompt) -> bool:
+    return not isinstance(prompt, str) and len(prompt) > 0 and all(isinstance(t, int) for t in prompt)
+
+
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme")
 
 
@@ -163,7 +180,8 @@ def generate(
     (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``sampling_scheme``)
     choose sampling (default greedy); every other keyword is an option of the method."""
     method_options, sampling = _split(dict(options))
-    return Session(model, method, **method_options).generate(prompt, max_new_tokens=max_new_tokens, **sampling)
+    session = Session(model, method, prefix_cache=0, **method_options)  # one call: nothing to reuse later
+    return session.generate(prompt, max_new_tokens=max_new_tokens, **sampling)
 
 
 def stream(
@@ -171,4 +189,5 @@ def stream(
 ) -> Iterator[str]:
     """Like :func:`generate`, yielding text pieces as soon as they are accepted."""
     method_options, sampling = _split(dict(options))
-    yield from Session(model, method, **method_options).stream(prompt, max_new_tokens=max_new_tokens, **sampling)
+    session = Session(model, method, prefix_cache=0, **method_options)
+    yield from session.stream(prompt, max_new_tokens=max_new_tokens, **sampling)

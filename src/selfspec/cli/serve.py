@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..core.prefix_store import DEFAULT_MB
 from ..errors import InvalidInputError
 from .args import add_model_args, load_model
 
@@ -26,6 +27,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     p.add_argument("--queue-size", type=int, default=8, help="requests waiting at most; more get 429 (8)")
     p.add_argument("--max-tokens", type=int, default=2048, help="most new tokens a request may ask for (2048)")
+    p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_MB,
+                   help=f"memory bound of the prefix cache, in MB ({DEFAULT_MB}; 0: off): the keys and values of "
+                   "recent requests, so that a request extending one (a chat's next turn) prefills only its new "
+                   "tokens, with the same output")  # fmt: skip
     p.set_defaults(func=cmd_serve)
 
 
@@ -42,14 +47,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--port must be in 1..65535, got {args.port}")
     if args.queue_size < 1 or args.max_tokens < 1:
         raise InvalidInputError("--queue-size and --max-tokens must be at least 1")
+    if args.prefix_cache_mb < 0:
+        raise InvalidInputError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb:g}")
     model = load_model(args)
     worker = Worker(model, args.method, allowed=allowed_methods(args.method), queue_size=args.queue_size,
-                    state_path=args.state)  # fmt: skip
+                    state_path=args.state, prefix_cache_mb=args.prefix_cache_mb)  # fmt: skip
     worker.start()
     app = create_app(worker, api_key=args.api_key, limits=Limits(max_tokens=args.max_tokens))
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"selfspec serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    print(f"selfspec serve: {model.name}, method {args.method}, on http://{args.host}:{args.port}/ "
-          "(playground at /, OpenAI API under /v1)", file=sys.stderr)  # fmt: skip
+    print(f"selfspec serve: {model.name}, method {args.method}, {worker.prefix_cache_line()}, on "
+          f"http://{args.host}:{args.port}/ (playground at /, OpenAI API under /v1)", file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

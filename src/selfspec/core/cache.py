@@ -78,6 +78,29 @@ class KVCache:
         assert k is not None and v is not None, f"layer {idx} was never written"
         return k[:, :, :end], v[:, :, :end]
 
+    def prefix(self, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of every layer's keys and values of slots ``[0, end)`` (``[1, heads, end, dim]``, the buffers'
+        own dtype: bit for bit), for :class:`selfspec.core.prefix_store.PrefixStore`."""
+        with torch.inference_mode():
+            return [(k[:, :, :end].clone(), v[:, :, :end].clone()) for k, v in zip(self._keys, self._values)]
+
+    def load_prefix(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Fill slots ``[0, length)`` of an empty cache with ``layers`` (what :meth:`prefix` gave, the same dtype
+        kept) and commit them."""
+        if self.length or any(b is not None for b in self._keys):
+            raise RuntimeError("load_prefix needs an empty cache")
+        if length > self.capacity:
+            raise RuntimeError(f"KV cache overflow: need {length} slots, have {self.capacity}")
+        with torch.inference_mode():  # like the buffers Engine.forward allocates: inference tensors
+            for i, (k, v) in enumerate(layers):
+                for buffers, src in ((self._keys, k), (self._values, v)):
+                    if self.dtype is not None and src.dtype != self.dtype:
+                        raise RuntimeError(f"a prefix of {src.dtype} entries for a cache of {self.dtype}")
+                    buf = torch.zeros(1, src.shape[1], self.capacity, src.shape[3], dtype=src.dtype, device=src.device)
+                    buf[:, :, :length] = src[:, :, :length]
+                    buffers[i] = buf
+        self.commit(length)
+
     def buffer_pointers(self, shapes: list[tuple[int, int]], dtype: torch.dtype) -> list[tuple[int, int]]:
         """Data pointers of every layer's key and value buffers (``[1, heads, capacity, head_dim]``, contiguous),
         allocating those never written; ``shapes``: (heads, head_dim) per layer.  For native code writing

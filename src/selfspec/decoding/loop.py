@@ -29,10 +29,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..core.cache import KVCache
 from ..core.sampling import GREEDY, Sampler, SamplingParams
+from ..core.prefix_store import Hit, PrefixStore
 from ..core.skipset import SkipSet
 from ..errors import InvalidInputError, SelfspecError
 from ..model.engine import SublayerCosine
@@ -86,24 +88,56 @@ class Prefill:
     first_token: int  # the greedy one
     cosine: SublayerCosine | None
     last_logits: torch.Tensor | None = None  # [V], for sampling the first token
+    reused: int = 0  # prompt tokens whose keys and values came from a prefix store
+    marks: dict[int, np.ndarray] = field(default_factory=dict)  # cosine sums by length (core/prefix_store.py)
 
 
 def prefill(
-    model: Model, prompt_ids: list[int], *, max_new_tokens: int = 1, max_nodes: int = 1, cosine: bool = False
+    model: Model, prompt_ids: list[int], *, max_new_tokens: int = 1, max_nodes: int = 1, cosine: bool = False,
+    store: PrefixStore | None = None,
 ) -> Prefill:
     """Run the full model over ``prompt_ids`` once, with room for decodings up to ``max_new_tokens``.
 
-    ``max_nodes``: the most tokens one verification pass of the decodings will hold.
+    ``max_nodes``: the most tokens one verification pass of the decodings will hold.  ``store``: the longest
+    prefix of the prompt cached there is copied in and only the rest runs (at least the last token), giving
+    the bits a whole prefill gives (:mod:`selfspec.core.prefix_store`).
     """
     check_lengths(model, len(prompt_ids), max_new_tokens)
     engine = model.engine
     cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_nodes)
+    hit = store.lookup(engine, prompt_ids, cosine=cosine) if store is not None else None
+    start = store.restore(hit, cache) if hit is not None else 0
+    measure = cosine and (hit is None or hit.cosine_upto < len(prompt_ids))  # a mark at the whole prompt: known
     out: list[SublayerCosine] = []
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
-    logits = engine.forward(cache, ids, 0, last_only=True, cosine_out=out if cosine else None, prefill=True)
+    if start and engine.draft_vocab is not None:
+        engine.draft_vocab.add(ids[:start])  # the prompt tokens a whole prefill would have shown it
+    logits = engine.forward(cache, ids[start:], start, last_only=True, cosine_out=out if measure else None,
+                            prefill=True)  # fmt: skip
     check_finite(logits[-1], "prefill")
     cache.commit(len(prompt_ids))
-    return Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), out[0] if out else None, logits[-1])
+    cos, marks = _prompt_cosine(hit, out[0] if out else None, len(prompt_ids), cosine)
+    return Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), cos, logits[-1], start, marks)
+
+
+def _prompt_cosine(hit: Hit | None, measured: SublayerCosine | None, n: int,
+                   wanted: bool) -> tuple[SublayerCosine | None, dict[int, np.ndarray]]:  # fmt: skip
+    """ASD's statistic of the whole prompt from the store's mark and what this prefill measured after it, and
+    the cosine marks that hold for the prompt (core/prefix_store.py, "ASD's statistic")."""
+    marks = hit.marks() if hit is not None else {}
+    if not wanted:
+        return None, marks
+    if hit is None or hit.cosine_sums is None:  # measured over the whole prompt: as before
+        assert measured is not None
+        marks[n] = np.asarray(measured.attention + measured.mlp, dtype=np.float64) * n
+        return measured, marks
+    sums = hit.cosine_sums.copy()
+    if measured is not None:  # positions [hit.cosine_upto, n)
+        sums += np.asarray(measured.attention + measured.mlp, dtype=np.float64) * (n - hit.cosine_upto)
+    marks[n] = sums
+    mean = (sums / n).astype(np.float32).tolist()
+    half = len(mean) // 2
+    return SublayerCosine(tuple(mean[:half]), tuple(mean[half:])), marks
 
 
 def prefill_cosine(model: Model, prompt_ids: list[int]) -> SublayerCosine:
@@ -143,6 +177,7 @@ class Decoder:
         draft_policy: Drafter | None = None,
         prefill: Prefill | None = None,
         sampling: SamplingParams = GREEDY,
+        prefix_store: PrefixStore | None = None,
     ) -> None:
         check_lengths(model, len(prompt_ids), max_new_tokens)
         if skip_policy is not None and draft_policy is None:
@@ -150,6 +185,8 @@ class Decoder:
         self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
         self.method, self.sampling, self.prefill = method, sampling, prefill
         self.skip_policy, self.drafter = skip_policy, draft_policy
+        self.prefix_store = prefix_store if prefill is None else None  # a given prefill is its caller's
+        self._reused = 0
         if prefill is not None:
             if prefill.prompt_ids != tuple(prompt_ids):
                 raise ValueError("the prefill is of another prompt")
@@ -213,6 +250,9 @@ class Decoder:
             finish = getattr(self.skip_policy, "finish", None)
             if finish is not None:
                 finish()
+            if self.prefix_store is not None:  # the prompt and what was committed after it, for the next request
+                tokens = [*self.prompt_ids, *out][: cache.length]
+                self.prefix_store.save(self.model.engine, tokens, cache, pf.marks)
         self.stats = self._stats(out, tally, skip, pf.cosine if self._wants_cosine else None,
                                  prefill_time, time.perf_counter() - t_start)  # fmt: skip
 
@@ -221,7 +261,8 @@ class Decoder:
         """The prompt's full-model prefill (unless given) and the first new token."""
         N, S = self.max_new_tokens, len(self.prompt_ids)
         pf = self.prefill or prefill(self.model, self.prompt_ids, max_new_tokens=N, max_nodes=self._max_nodes,
-                                     cosine=self._wants_cosine)  # fmt: skip
+                                     cosine=self._wants_cosine, store=self.prefix_store)  # fmt: skip
+        self._reused = pf.reused
         self._sampler = Sampler(self.sampling, pf.last_logits.shape[-1], prompt_len=S, device=self.model.engine.device)
         token = pf.first_token if self.sampling.greedy else self._sampler.next_token(pf.last_logits, pf.prompt_ids)
         pf.cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
@@ -337,6 +378,7 @@ class Decoder:
             verified_tokens=tally.verified,
             draft_precision=self.drafter.precision(self.model) if self.drafter is not None else None,
             sources=self.drafter.source_stats() if hasattr(self.drafter, "source_stats") else None,
+            reused_tokens=self._reused,
         )
 
 

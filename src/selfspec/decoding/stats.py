@@ -28,6 +28,7 @@ class GenerationStats:
     draft_precision: str | None = None
     sources: dict[str, dict[str, Any]] | None = None  # per draft source (hybrid): rounds, drafted, accepted, ms
     draft_pass_time: float | None = None  # drafting time of the rounds that ran draft passes (None: not recorded)
+    reused_tokens: int = 0  # prompt tokens whose keys and values came from a prefix store, not prefilled
 
     @property
     def mean_generated_length(self) -> float:

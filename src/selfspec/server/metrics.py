@@ -1,4 +1,5 @@
-"""Server metrics in Prometheus' text format (``GET /metrics``): requests, errors, queue, speed, acceptance."""
+"""Server metrics in Prometheus' text format (``GET /metrics``): requests, errors, queue, speed, acceptance,
+queue wait and time to first token (summaries: sum and count), the prefix store's hits and reused tokens."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from collections import Counter
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, prefix_store=None) -> None:
         self._lock = threading.Lock()
+        self.prefix_store = prefix_store  # a PrefixStore whose counters are reported (None: none)
+        self.waits: list[float] = [0.0, 0]  # sum of seconds, count
+        self.first_tokens: list[float] = [0.0, 0]
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status)
         self.queue_length = 0
         self.generations = 0
@@ -24,6 +28,18 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
+
+    def observe_wait(self, seconds: float) -> None:
+        """A request left the queue after ``seconds``."""
+        with self._lock:
+            self.waits[0] += seconds
+            self.waits[1] += 1
+
+    def observe_first_token(self, seconds: float) -> None:
+        """A request's first token came ``seconds`` after it arrived."""
+        with self._lock:
+            self.first_tokens[0] += seconds
+            self.first_tokens[1] += 1
 
     def observe(self, stats) -> None:
         with self._lock:
@@ -59,6 +75,29 @@ class Metrics:
                  self.last_tokens_per_second),
                 ("acceptance_rate", "gauge", "Accepted / drafted tokens of the last generation.", self.last_acceptance),
                 ("mean_generated_length", "gauge", "M: new tokens per full-model forward, all generations.", M),
+            ]  # fmt: skip
+            for name, help_text, (total, count) in (
+                ("queue_wait_seconds", "Time requests waited in the queue before decoding began.", self.waits),
+                ("time_to_first_token_seconds", "Time from a request's arrival to its first token (queue wait, "
+                 "prefill and the first token).", self.first_tokens),
+            ):  # fmt: skip
+                metric = f"selfspec_{name}"
+                lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} summary", f"{metric}_sum {total}",
+                          f"{metric}_count {count}"]  # fmt: skip
+        store = self.prefix_store.stats() if self.prefix_store is not None else None
+        if store is not None:
+            gauges += [
+                ("prefix_cache_lookups_total", "counter", "Prompts looked up in the prefix cache.", store.lookups),
+                ("prefix_cache_hits_total", "counter", "Prompts whose prefix came from the prefix cache.", store.hits),
+                ("prefix_cache_reused_tokens_total", "counter", "Prompt tokens whose keys and values came from the "
+                 "prefix cache (not prefilled).", store.reused_tokens),
+                ("prefix_cache_prefilled_tokens_total", "counter", "Prompt tokens prefilled after a lookup.",
+                 store.prefilled_tokens),
+                ("prefix_cache_entries", "gauge", "Sequences held in the prefix cache.", store.entries),
+                ("prefix_cache_bytes", "gauge", "Memory held by the prefix cache.", store.bytes),
+                ("prefix_cache_max_bytes", "gauge", "The prefix cache's memory bound.", store.max_bytes),
+                ("prefix_cache_evictions_total", "counter", "Sequences evicted from the prefix cache.",
+                 store.evictions),
             ]  # fmt: skip
         for name, kind, help_text, value in gauges:
             metric = f"selfspec_{name}"

@@ -7,6 +7,11 @@ client went away is cancelled: its generation stops at the next round.  When
 the queue is full, :meth:`Worker.submit` refuses at once (the server answers
 429 with Retry-After) rather than building an unbounded backlog.
 
+The keys and values of recent requests are kept in one
+:class:`~selfspec.core.prefix_store.PrefixStore` shared by the methods' sessions (``prefix_cache_mb``; 0:
+none): a request that extends an earlier one (a chat's next turn resends the conversation) prefills only its
+new tokens, with the output a whole prefill gives.
+
 Learned state (SWIFT's skip sets and optimiser, what the drafters learned)
 lives in one :class:`~selfspec.Session` per method for as long as the server
 runs; with ``state_path``, SWIFT's state is loaded at start, saved after every
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import Session
+from ..core.prefix_store import DEFAULT_MB, PrefixStore, inexact_reason
 from ..core.sampling import SamplingParams
 from ..errors import SelfspecError
 from ..model.models import Model
@@ -89,11 +95,13 @@ class StopScanner:
 
 class Worker:
     def __init__(self, model: Model, method: str, *, allowed: tuple[str, ...], queue_size: int = 8,
-                 state_path: str | Path | None = None, options: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 state_path: str | Path | None = None, options: dict[str, Any] | None = None,
+                 prefix_cache_mb: float = DEFAULT_MB) -> None:  # fmt: skip
         self.model, self.method, self.allowed = model, method, allowed
         self.options = dict(options or {})
         self.state_path = Path(state_path) if state_path else None
-        self.metrics = Metrics()
+        self.prefix_store = PrefixStore.of_mb(prefix_cache_mb)
+        self.metrics = Metrics(self.prefix_store)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._sessions: dict[str, Session] = {}
         self._busy = False
@@ -142,6 +150,15 @@ class Worker:
                 except (OSError, SelfspecError) as exc:
                     print(f"selfspec serve: could not save the state: {exc}", file=sys.stderr)
 
+    def prefix_cache_line(self) -> str:
+        """The prefix store as serve's start line shows it."""
+        store = self.prefix_store
+        if not store.enabled:
+            return "prefix cache off"
+        reason = inexact_reason(self.model.engine)
+        size = f"{store.max_bytes / (1 << 20):g} MB"
+        return f"prefix cache {size}" if reason is None else f"prefix cache unused ({reason})"
+
     # -- requests ------------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
@@ -152,7 +169,7 @@ class Worker:
             options = dict(self.options) if method == self.method else {}
             if stateful(method, options) and self.state_path is not None:
                 options["state"] = str(self.state_path)
-            self._sessions[method] = Session(self.model, method, **options)
+            self._sessions[method] = Session(self.model, method, prefix_cache=self.prefix_store, **options)
         return self._sessions[method]
 
     def submit(self, job: Job) -> None:
@@ -182,12 +199,15 @@ class Worker:
     def _generate(self, job: Job) -> None:
         if job.cancel.is_set():
             return
+        self.metrics.observe_wait(time.perf_counter() - job.queued_at)
         session = self.session(job.method)
         scanner = StopScanner(job.stops)
         pieces = session.pieces(job.prompt, max_new_tokens=job.max_tokens, sampling=job.sampling)
         stopped, tokens = False, 0
         try:
             for piece in pieces:
+                if not tokens:  # the first token, counted from the request's arrival (queue wait included)
+                    self.metrics.observe_first_token(time.perf_counter() - job.queued_at)
                 text, stopped = scanner.feed(piece.text)
                 tokens += piece.tokens
                 job.emit("piece", (text, piece.tokens, piece.drafted))
