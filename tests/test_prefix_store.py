@@ -213,8 +213,13 @@ def test_the_server_worker_reuses_and_reports(qtiny):
         assert int(values["selfspec_prefix_cache_reused_tokens_total"]) >= 40
         assert "selfspec_time_to_first_token_seconds_count 2" in text
         assert "selfspec_queue_wait_seconds_count 2" in text
+        assert worker.prefix_cache_line() == "prefix cache 64 MB"
     finally:
         worker.stop()
+    off = Worker(qtiny, "vanilla", allowed=("vanilla",), prefix_cache_mb=0)
+    assert off.prefix_cache_line() == "prefix cache off"
+    modules = Worker(tiny_model("llama", seed=3), "vanilla", allowed=("vanilla",))
+    assert modules.prefix_cache_line().startswith("prefix cache unused (the model runs on transformers' modules")
 
 
 # -- the real built-in models ------------------------------------------------------------------------------

@@ -283,3 +283,29 @@ def test_playground_in_a_headless_browser(server, smollm2):
                                  max_new_tokens=40).text  # fmt: skip
     assert text.strip() == expected.strip(), "the streamed text is the model's greedy reply"
     assert "tokens/s" in stats and "acceptance" in stats
+
+
+def _metrics(server) -> dict[str, float]:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
+                                     if line and not line.startswith("#"))}  # fmt: skip
+
+
+def test_a_second_turn_reuses_the_first_and_answers_as_a_fresh_prefill(server, smollm2):
+    """The chat resends the conversation: its first turn's prompt and answer come from the prefix cache, and the
+    answer is the one a whole prefill gives; /metrics counts the hit, the reused tokens, time to first token."""
+    client = server.client()
+    first = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
+    before = _metrics(server)
+    turn2 = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "Now say it in one short sentence."}]  # fmt: skip
+    second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=40, temperature=0)
+    assert second.choices[0].message.content == selfspec.generate(smollm2, turn2, "vanilla", max_new_tokens=40).text
+    after = _metrics(server)
+    assert after["selfspec_prefix_cache_hits_total"] >= before["selfspec_prefix_cache_hits_total"] + 1
+    reused = after["selfspec_prefix_cache_reused_tokens_total"] - before["selfspec_prefix_cache_reused_tokens_total"]
+    assert reused >= len(smollm2.encode(CHAT))
+    assert after["selfspec_time_to_first_token_seconds_count"] == before["selfspec_time_to_first_token_seconds_count"] + 1
+    assert after["selfspec_queue_wait_seconds_count"] >= before["selfspec_queue_wait_seconds_count"] + 1
+    assert 0 < after["selfspec_prefix_cache_bytes"] <= after["selfspec_prefix_cache_max_bytes"]
