@@ -255,3 +255,17 @@ def test_gemma3_prompt_longer_than_its_window(gemma3):
     assert got.token_ids == fresh(gemma3, ids, "vanilla").token_ids
     auto = selfspec.Session(gemma3, "auto", prefix_cache=session.prefix_store).generate(ids, max_new_tokens=24)
     assert auto.token_ids == got.token_ids
+
+
+def test_bench_second_turns_with_and_without_reuse(qtiny):
+    """``selfspec bench --turns 2``'s runner: the reusing session's second turn equals the re-prefilling one's."""
+    from selfspec.bench.spec import parse_methods
+    from selfspec.bench.turns import Question, run_turns, summarize_turns
+    from selfspec.core.sampling import SamplingParams
+
+    questions = [Question("q1", ("Tell me about foxes and dogs, please.", "Now say it shorter."))]
+    records = run_turns(qtiny, questions, parse_methods("vanilla,suffix"), 16, SamplingParams())
+    summary = summarize_turns(records)
+    assert set(summary) == {"vanilla", "suffix"}
+    for s in summary.values():
+        assert s["identical"] and s["reused_tokens"] > 0 and s["ttft_ratio"] > 0

@@ -122,7 +122,8 @@ class _Runner:
 
     def session(self, method: BenchMethod) -> Session:
         options = {k: v for k, v in method.options.items() if k != SCHEME_OPTION}
-        return Session(self.model, method.name, **options)
+        # every prompt prefilled whole, as in earlier rounds' figures and memory probes (`--turns 2` measures reuse)
+        return Session(self.model, method.name, prefix_cache=0, **options)
 
     def sampling_for(self, index: int, method: BenchMethod | None = None) -> SamplingParams:
         s = self.sampling

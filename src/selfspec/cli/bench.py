@@ -63,6 +63,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--categories", help="spec-bench: comma-separated categories (default all six: mt_bench, "
                    "translation, summarization, qa, math_reasoning, rag); --limit applies per category")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--turns", type=int, default=1, choices=(1, 2),
+                   help="2: second turns of two-turn questions (spec-bench's MT-bench category, or mtbench) as a "
+                   "server sees them, each method with its prefix cache and without: time to first token and "
+                   "tokens/s (default 1: first turns, every prompt prefilled whole)")  # fmt: skip
     p.add_argument("--methods", default="vanilla,asd", help='method specs, e.g. "vanilla,asd,hf" (see below)')
     add_sampling_args(p, seed_help="sampling seed; prompt i uses seed + i (default 0)", seed_default=0)
     p.add_argument("--out", type=Path, help="output directory (default runs/bench-<timestamp>)")
@@ -87,6 +91,8 @@ def _command_line(args: argparse.Namespace) -> str:
         argv += ["--offset", str(args.offset)]
     argv += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--methods", args.methods]
     argv += ["--warmup", str(args.warmup)]
+    if args.turns != 1:
+        argv += ["--turns", str(args.turns)]
     argv += sampling_argv(args)
     if args.threads is not None:
         argv += ["--threads", str(args.threads)]
@@ -158,6 +164,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench.llamacpp import ENV
 
         os.environ[ENV] = args.llama_cpp  # where the llamacpp peer looks first (after its own bin= option)
+    if args.turns == 2:
+        return _bench_turns(args, methods, names, started, out_dir, console)
     model = load_model(args)
     chat = model.has_chat_template
     prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=chat, offset=args.offset,
@@ -199,3 +207,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sys.stdout.write(dumps(summary.to_dict()) + "\n")
         sys.stdout.flush()
     return 1 if summary.lossy else 0
+
+
+def _bench_turns(args: argparse.Namespace, methods, names: list[str], started, out_dir: Path, console) -> int:
+    """``--turns 2`` (see :mod:`selfspec.bench.turns`)."""
+    from ..bench.report import dumps
+    from ..bench.system import machine_info
+    from ..bench.turns import print_turns, run_turns, summarize_turns, two_turn_questions, write_turns
+
+    if args.stream or len(names) != 1:
+        raise InvalidInputError("--turns 2 takes one --dataset (spec-bench or mtbench), not --stream")
+    questions = two_turn_questions(names[0], limit=args.limit, offset=args.offset)
+    model = load_model(args)
+    console.print(f"selfspec bench: {model.name}, second turns of {len(questions)} questions x {len(methods)} "
+                  f"methods, {args.max_new_tokens} new tokens per turn", highlight=False)  # fmt: skip
+    progress = None if args.no_progress else (lambda what: console.print(f"  {what}", highlight=False))
+    records = run_turns(model, questions, methods, args.max_new_tokens, sampling_params(args), progress)
+    summary = summarize_turns(records)
+    meta = {"dataset": names[0], "turns": 2, "limit": args.limit, "offset": args.offset, "command": _command_line(args),
+            "date": started.isoformat(timespec="seconds"), "machine": machine_info()}  # fmt: skip
+    paths = write_turns(records, summary, meta, out_dir)
+    print_turns(summary, console)
+    console.print(f"outputs: {out_dir}/ ({', '.join(p.name for p in paths)})", highlight=False)
+    if args.json:
+        sys.stdout.write(dumps({"meta": meta, "methods": summary}) + "\n")
+        sys.stdout.flush()
+    return 0 if all(s["identical"] for s in summary.values()) else 1
