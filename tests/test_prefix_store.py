@@ -16,7 +16,7 @@ from conftest import tiny_model
 import selfspec
 from selfspec.core.prefix_store import MB, PrefixStore, inexact_reason
 from selfspec.core.quant import quantize_linears
-from selfspec.decoding.loop import prefill
+from selfspec.decoding.loop import measure_pending, prefill
 
 NEW = 24
 SAMPLED = dict(temperature=0.9, top_p=0.95, seed=11)
@@ -63,6 +63,14 @@ def test_a_reused_prefix_gives_the_bits_of_a_whole_prefill(qtiny):
     assert torch.equal(whole.last_logits, reused.last_logits)
     assert same_bits(whole.cache, reused.cache, len(prompt), L)
     assert reused.cache.dtype == whole.cache.dtype  # halves under int8 activations, copied as halves
+    # ASD's statistic: the first turn's prompt has a mark, its answer is measured after the first token
+    whole = prefill(qtiny, prompt, max_new_tokens=4, cosine=True)
+    reused = prefill(qtiny, prompt, max_new_tokens=4, cosine=True, store=store)
+    assert reused.cosine is None and reused.pending is not None and torch.equal(whole.last_logits, reused.last_logits)
+    done = measure_pending(qtiny, reused)
+    assert same_bits(whole.cache, done.cache, len(prompt), L)  # the re-measured slots rewritten with the same bits
+    for part in ("attention", "mlp"):
+        assert getattr(done.cosine, part) == pytest.approx(getattr(whole.cosine, part), abs=1e-6)
 
 
 @pytest.mark.parametrize("method", ["vanilla", "asd", "auto", "suffix", "swift"])
@@ -73,10 +81,7 @@ def test_second_turn_equals_a_fresh_prefill(qtiny, method):
     turn2 = turn1 + answer + ids_of(20, seed=3)[1:]
     got = session.generate(turn2, max_new_tokens=NEW)
     assert got.token_ids == fresh(qtiny, turn2, method).token_ids
-    if method in ("asd", "auto"):  # ASD's statistic is known at the first turn's prompt only (its mark)
-        assert got.stats.reused_tokens == len(turn1)
-    else:  # the whole first turn but the answer's last token (never run through the model)
-        assert got.stats.reused_tokens == len(turn1) + len(answer) - 1
+    assert got.stats.reused_tokens == len(turn1) + len(answer) - 1  # the answer's last token never ran
 
 
 def test_asds_statistic_with_a_reused_prefix_is_a_fresh_prefills(qtiny):

@@ -33,11 +33,14 @@ them), which costs their memory.
 prompt positions of each sublayer's cosine similarity, measured during prefill.  A prefix from here was not
 run through the full model now, and the answer tokens of an earlier turn were decoded, never measured.  So an
 entry keeps *marks*: at each length where a prefill measured every position before it, the sum over those
-positions of each sublayer's cosine.  A request that wants the statistic reuses only up to the longest mark
-within its match and measures the rest; mean = (mark's sum + new mean x new tokens) / prompt length, the same
-statistic as a fresh prefill's to float32 rounding (the combination is in float64).  For such methods a second
-turn thus reuses the first turn's prompt and prefills the answer with its new message.  Outputs do not depend
-on the statistic (every method is lossless under greedy and coupled sampling), only their speed does.
+positions of each sublayer's cosine.  A request that wants the statistic reuses its whole match all the same;
+its prefill measures the new tokens, and after the first token (which needs only keys and values) the decoder
+runs the full model again over the reused positions after the longest mark within the match (a second turn:
+the first turn's answer), measuring them and rewriting their slots with the same bits
+(:func:`selfspec.decoding.loop.measure_pending`).  Mean = (mark's sum + each part's mean x its positions) /
+prompt length: a fresh prefill's statistic to float32 rounding (combined in float64).  Time to first token
+gains the whole match; the work of the re-measured positions stays.  Outputs do not depend on the statistic
+(every method is lossless under greedy and coupled sampling), only their speed does.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class Hit:
     entry: _Entry
     length: int  # slots to copy into the new cache (< the prompt's length)
     common: int  # tokens the prompt shares with the entry
-    cosine_sums: np.ndarray | None  # the mark used (a method wanting ASD's statistic), float64 [2L]
+    cosine_sums: np.ndarray | None  # the mark used (a method wanting ASD's statistic), float64 [2L]; None: none
     cosine_upto: int  # positions that mark covers (0: none)
 
     def marks(self) -> dict[int, np.ndarray]:
@@ -152,8 +155,8 @@ class PrefixStore:
     # -- lookup and restore ----------------------------------------------------------------------
     def lookup(self, engine: Any, tokens: list[int], *, cosine: bool = False) -> Hit | None:
         """The longest usable cached prefix of ``tokens`` (None: none).  At least the last token is left to
-        run (its logits give the first new token); with ``cosine``, only up to the longest mark within the
-        match (the rest is measured by the prefill)."""
+        run (its logits give the first new token); with ``cosine``, the hit also names the longest cosine mark
+        within the match (the positions after it are measured by the decoder)."""
         if not self.usable(engine) or len(tokens) < 2:
             return None
         query = np.asarray(tokens, dtype=np.int64)
@@ -242,13 +245,10 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _hit(entry: _Entry, common: int, n: int, cosine: bool) -> Hit | None:
-    """How much of ``entry`` a prompt of ``n`` tokens sharing ``common`` with it can reuse."""
-    if not cosine:
-        length = min(common, n - 1)
-        return Hit(entry, length, common, None, 0) if length > 0 else None
-    marks = [c for c in entry.marks if c <= min(common, n)]
-    if not marks:
+    """How much of ``entry`` a prompt of ``n`` tokens sharing ``common`` with it can reuse (all of the shared
+    tokens but the prompt's last); with ``cosine``, the longest mark within them."""
+    length = min(common, n - 1)
+    if length <= 0:
         return None
-    upto = max(marks)
-    length = min(upto, n - 1)  # a mark at the whole prompt: its last token still runs, unmeasured
-    return Hit(entry, length, common, entry.marks[upto], upto) if length > 0 else None
+    upto = max((c for c in entry.marks if c <= min(common, n)), default=0) if cosine else 0
+    return Hit(entry, length, common, entry.marks.get(upto), upto)

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from ..core.cache import KVCache
 from ..core.sampling import GREEDY, Sampler, SamplingParams
-from ..core.prefix_store import Hit, PrefixStore
+from ..core.prefix_store import PrefixStore
 from ..core.skipset import SkipSet
 from ..errors import InvalidInputError, SelfspecError
 from ..model.engine import SublayerCosine
@@ -90,6 +90,7 @@ class Prefill:
     last_logits: torch.Tensor | None = None  # [V], for sampling the first token
     reused: int = 0  # prompt tokens whose keys and values came from a prefix store
     marks: dict[int, np.ndarray] = field(default_factory=dict)  # cosine sums by length (core/prefix_store.py)
+    pending: tuple[int, int, np.ndarray] | None = None  # (from, to, sums): positions whose cosine is still to measure
 
 
 def prefill(
@@ -116,28 +117,46 @@ def prefill(
                             prefill=True)  # fmt: skip
     check_finite(logits[-1], "prefill")
     cache.commit(len(prompt_ids))
-    cos, marks = _prompt_cosine(hit, out[0] if out else None, len(prompt_ids), cosine)
-    return Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), cos, logits[-1], start, marks)
+    pf = Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), None, logits[-1], start,
+                 hit.marks() if hit is not None else {})  # fmt: skip
+    if not cosine:
+        return pf
+    n, measured = len(prompt_ids), out[0] if out else None
+    if hit is None:  # measured over the whole prompt: as without a store
+        return replace(pf, cosine=measured, marks={**pf.marks, n: _sums(measured, n)})
+    sums = hit.cosine_sums.copy() if hit.cosine_sums is not None else np.zeros(2 * engine.num_layers)
+    if measured is not None:  # positions [start, n)
+        sums += _sums(measured, n - start)
+    if hit.cosine_upto < start:  # reused positions no prefill measured (an earlier answer): after the first token
+        return replace(pf, pending=(hit.cosine_upto, start, sums))
+    return replace(pf, cosine=_mean(sums, n), marks={**pf.marks, n: sums})
 
 
-def _prompt_cosine(hit: Hit | None, measured: SublayerCosine | None, n: int,
-                   wanted: bool) -> tuple[SublayerCosine | None, dict[int, np.ndarray]]:  # fmt: skip
-    """ASD's statistic of the whole prompt from the store's mark and what this prefill measured after it, and
-    the cosine marks that hold for the prompt (core/prefix_store.py, "ASD's statistic")."""
-    marks = hit.marks() if hit is not None else {}
-    if not wanted:
-        return None, marks
-    if hit is None or hit.cosine_sums is None:  # measured over the whole prompt: as before
-        assert measured is not None
-        marks[n] = np.asarray(measured.attention + measured.mlp, dtype=np.float64) * n
-        return measured, marks
-    sums = hit.cosine_sums.copy()
-    if measured is not None:  # positions [hit.cosine_upto, n)
-        sums += np.asarray(measured.attention + measured.mlp, dtype=np.float64) * (n - hit.cosine_upto)
-    marks[n] = sums
+def measure_pending(model: Model, pf: Prefill) -> Prefill:
+    """ASD's statistic of the prompt once its reused positions without a cosine mark are measured: the full
+    model runs over them again (rewriting their cache slots with the same bits) with the statistic on.  The
+    decoder does this after the first token, which needs only the keys and values."""
+    if pf.pending is None:
+        return pf
+    begin, end, sums = pf.pending
+    out: list[SublayerCosine] = []
+    ids = torch.tensor(pf.prompt_ids[begin:end], dtype=torch.long, device=model.engine.device)
+    model.engine.forward(pf.cache, ids, begin, last_only=True, cosine_out=out, prefill=True)
+    sums = sums + _sums(out[0], end - begin)
+    n = len(pf.prompt_ids)
+    return replace(pf, cosine=_mean(sums, n), marks={**pf.marks, n: sums}, pending=None)
+
+
+def _sums(cos: SublayerCosine, count: int) -> np.ndarray:
+    """A prefill's mean cosines as sums over its ``count`` positions (float64: the combination stays exact to
+    float32 rounding), attention sublayers first."""
+    return np.asarray(cos.attention + cos.mlp, dtype=np.float64) * count
+
+
+def _mean(sums: np.ndarray, n: int) -> SublayerCosine:
     mean = (sums / n).astype(np.float32).tolist()
     half = len(mean) // 2
-    return SublayerCosine(tuple(mean[:half]), tuple(mean[half:])), marks
+    return SublayerCosine(tuple(mean[:half]), tuple(mean[half:]))
 
 
 def prefill_cosine(model: Model, prompt_ids: list[int]) -> SublayerCosine:
@@ -212,10 +231,11 @@ class Decoder:
         pf, token = self._prefill()
         cache, N, eos = pf.cache, self.max_new_tokens, self.model.eos_token_ids
         prefill_time = time.perf_counter() - t_start
-        skip = self._bind(pf.cosine)
-        out, tally = [token], _Tally()
+        out, tally, skip = [token], _Tally(), None
         try:
             yield [token]
+            pf = measure_pending(self.model, pf)  # ASD's statistic of reused positions, after the first token
+            skip = self._bind(pf.cosine)
             while len(out) < N and token not in eos:
                 c = cache.length  # `token` (the last bonus) sits at slot c, not yet in the cache
                 t0 = time.perf_counter()
