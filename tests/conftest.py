@@ -65,6 +65,21 @@ def isolated_cache(tmp_path_factory):
         os.environ["SELFSPEC_CACHE"] = old
 
 
+@pytest.fixture(autouse=True)
+def machine_independent_costs(request):
+    """Every test decides with the read-bound profile of its model's shape and a simulated clock
+    (:mod:`selfspec.core.clock`), so that whether a round drafts does not depend on the CPU running the
+    suite; tests of measurement itself are marked ``real_clock``."""
+    if request.node.get_closest_marker("real_clock") is not None:
+        yield
+        return
+    from selfspec.core import clock
+    from selfspec.cost.costs import read_bound_profile
+
+    with clock.simulated(read_bound_profile):
+        yield
+
+
 def tiny_config(arch: str, **overrides):
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 

@@ -20,7 +20,7 @@ PROMPTS = [
     PromptItem("b", "prose", "Once upon a time, in a land of sliding windows, a cache grew long."),
     PromptItem("c", "code", "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"),
 ]
-METHODS = "asd,asd:alpha=0.5:draft_length=3@asd-wide,hf,hf-lookup:tokens=4,hf-early-exit:3"
+METHODS = "asd:preset=paper@asd,asd:alpha=0.5:draft_length=3@asd-wide,hf,hf-lookup:tokens=4,hf-early-exit:3"
 
 
 @pytest.fixture(scope="module")

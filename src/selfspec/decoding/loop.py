@@ -25,13 +25,13 @@ drafter and its policies hold per-generation state.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from ..core import clock
 from ..core.cache import KVCache
 from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.prefix_store import PrefixStore
@@ -227,10 +227,10 @@ class Decoder:
         return self.skip_policy is not None and getattr(self.skip_policy, "needs_cosine", False)
 
     def __iter__(self) -> Iterator[list[int]]:
-        t_start = time.perf_counter()
+        t_start = clock.now()
         pf, token = self._prefill()
         cache, N, eos = pf.cache, self.max_new_tokens, self.model.eos_token_ids
-        prefill_time = time.perf_counter() - t_start
+        prefill_time = clock.now() - t_start
         out, tally, skip = [token], _Tally(), None
         try:
             yield [token]
@@ -238,14 +238,14 @@ class Decoder:
             skip = self._bind(pf.cosine)
             while len(out) < N and token not in eos:
                 c = cache.length  # `token` (the last bonus) sits at slot c, not yet in the cache
-                t0 = time.perf_counter()
+                t0 = clock.now()
                 # 0. adapt: a refining skip policy may change the skip set (SWIFT)
                 skip = self._adapt(cache, out, skip, tally)
-                t1 = time.perf_counter()
+                t1 = clock.now()
                 # 1. draft candidates after the history (None: a round of plain decoding)
                 history = [*self.prompt_ids, *out]  # prompt and new tokens; the last is not in the cache yet
                 outcome = self._draft(history, cache, skip, budget=N - len(out) - 1)
-                t2 = time.perf_counter()
+                t2 = clock.now()
                 # 2. verify every candidate in one full-model forward
                 tree = outcome.tree if outcome is not None else None
                 logits = self._verify(cache, c, token, tree)  # [T, V]
@@ -253,7 +253,7 @@ class Decoder:
                 path, bonus, choices = self._accept(tree, logits, history)
                 if choices is not None and self._verified is not None:  # lookahead's next Jacobi iteration
                     self._verified(outcome, choices, path)
-                t3 = time.perf_counter()
+                t3 = clock.now()
                 # 4. commit the accepted path's cache entries; stop at EOS or at the length limit
                 cache.move([c + n for n in path], c)
                 cache.commit(c + len(path))
@@ -274,7 +274,7 @@ class Decoder:
                 tokens = [*self.prompt_ids, *out][: cache.length]
                 self.prefix_store.save(self.model.engine, tokens, cache, pf.marks)
         self.stats = self._stats(out, tally, skip, pf.cosine if self._wants_cosine else None,
-                                 prefill_time, time.perf_counter() - t_start)  # fmt: skip
+                                 prefill_time, clock.now() - t_start)  # fmt: skip
 
     # -- the stages ----------------------------------------------------------------------------
     def _prefill(self) -> tuple[Prefill, int]:
@@ -309,12 +309,12 @@ class Decoder:
         refine = getattr(self.skip_policy, "before_round", None)
         if refine is None:
             return skip
-        t0 = time.perf_counter()
+        t0 = clock.now()
         new_skip = refine(RoundContext(self.model, cache, len(self.prompt_ids), out, skip))
         if new_skip != skip:
             skip = new_skip
             self.drafter.bind(self.model, skip)
-        tally.optimise_time += time.perf_counter() - t0
+        tally.optimise_time += clock.now() - t0
         return skip
 
     def _draft(self, history: list[int], cache: KVCache, skip: SkipSet | None, budget: int) -> DraftOutcome | None:
@@ -371,7 +371,7 @@ class Decoder:
             tally.accept_lengths.append(len(path) - 1)
             if self.skip_policy is not None and passes:  # a layer-skip draft (not a hybrid's n-gram round)
                 self.skip_policy.observe(outcome.steps, len(path) - 1)
-        self.drafter.observe(outcome, path, tokens=tokens, round_ms=1000 * (time.perf_counter() - t1),
+        self.drafter.observe(outcome, path, tokens=tokens, round_ms=1000 * (clock.now() - t1),
                              draft_ms=1000 * (t2 - t1), verify_ms=1000 * (t3 - t2))  # fmt: skip
 
     def _stats(self, out: list[int], tally: _Tally, skip: SkipSet | None, cosine: SublayerCosine | None,

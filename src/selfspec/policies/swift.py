@@ -50,13 +50,13 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..core import clock
 from ..core.skipset import SkipSet
 from ..errors import InvalidInputError
 from ..io import atomic_write_text, read_json
@@ -239,7 +239,7 @@ class SwiftPolicy:
         """Maybe one optimisation step; returns the skip set to draft with."""
         state = self.state
         assert state is not None
-        now = time.perf_counter()
+        now = clock.now()
         if self._last_round_end is not None:
             state.decode_seconds += now - self._last_round_end
         W = self.config.context_window
@@ -255,7 +255,7 @@ class SwiftPolicy:
                 self._rescore_best(ctx)
             elif not state.done:
                 self._step(ctx)
-        self._last_round_end = time.perf_counter()
+        self._last_round_end = clock.now()
         state.optimise_seconds += self._last_round_end - now
         return state.best_set
 
@@ -328,9 +328,9 @@ class SwiftPolicy:
         return 0.0
 
     def matchness(self, ctx, skip: SkipSet) -> float:
-        t0 = time.perf_counter()
+        t0 = clock.now()
         m = self._matchness(ctx, skip)
-        took = time.perf_counter() - t0
+        took = clock.now() - t0
         self._pass_seconds = took if self._pass_seconds is None else 0.5 * (self._pass_seconds + took)
         return m
 

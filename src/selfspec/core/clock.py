@@ -1,0 +1,96 @@
+"""The clock that decoding decisions read: this machine's, or one simulated from a given cost profile.
+
+Every choice that weighs time (whether a round drafts, how long a draft runs,
+how wide a tree grows, when SWIFT searches, ASD's gate) reads two things: the
+model's :class:`~selfspec.cost.costs.CostProfile` and the time rounds really
+took.  Both are measured on the machine at hand, so the same prompt may be
+drafted on one CPU and decoded plainly on another.  That is right for users
+and wrong for a test or a replayable study, whose verdict must not depend on
+the CPU it runs on.
+
+:func:`simulated` switches both to a given profile: :func:`~selfspec.cost.costs.cost_profile`
+returns it instead of measuring, and :func:`now` returns a virtual clock that
+only :meth:`~selfspec.model.engine.Engine.forward` advances, by what the
+profile says the pass costs.  Decisions then depend on the tokens alone, the
+same on every machine.  Outputs never depend on the clock (the central
+invariant); only which drafts are tried does.
+
+    with clock.simulated(costs.read_bound_profile):   # or a fixed CostProfile
+        out = selfspec.generate(model, prompt, "asd")
+
+The test suite runs under :func:`selfspec.cost.costs.read_bound_profile` (``tests/conftest.py``);
+tests of measurement itself opt out with ``@pytest.mark.real_clock``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+ProfileSource = Any  # a CostProfile (selfspec.cost.costs), or a function making one from a model
+
+_lock = threading.Lock()
+_source: ProfileSource | None = None
+_virtual_s = 0.0
+_profiles: dict[int, Any] = {}  # id(engine) -> its simulated profile
+
+
+def now() -> float:
+    """Seconds: ``time.perf_counter()``, or the virtual clock under :func:`simulated`."""
+    if _source is None:
+        return time.perf_counter()
+    return _virtual_s
+
+
+def active() -> bool:
+    return _source is not None
+
+
+def given_profile(model: Any) -> Any:
+    """The simulated profile of ``model`` (None: measure as usual)."""
+    if _source is None:
+        return None
+    return _profile_for(model.engine, model)
+
+
+def charge(engine: Any, tokens: int, *, skip: Any, precision: Any) -> None:
+    """Advance the virtual clock by what a pass of ``engine`` over ``tokens`` rows costs (no-op when real)."""
+    global _virtual_s
+    if _source is None:
+        return
+    prof = _profiles.get(id(engine))
+    if prof is None:  # a pass before anyone asked for the profile (prefill): make it from the engine
+        prof = _profile_for(engine, None)
+    ms = prof.pass_ms(tokens, skip, precision)
+    with _lock:
+        _virtual_s += ms / 1000.0
+
+
+@contextmanager
+def simulated(source: ProfileSource) -> Iterator[None]:
+    """Decide with ``source``'s costs and a virtual clock inside the block (see the module docstring)."""
+    global _source, _virtual_s
+    old, old_profiles = _source, dict(_profiles)
+    _source, _virtual_s = source, 0.0
+    _profiles.clear()
+    try:
+        yield
+    finally:
+        _source = old
+        _profiles.clear()
+        _profiles.update(old_profiles)
+
+
+def _profile_for(engine: Any, model: Any) -> Any:
+    prof = _profiles.get(id(engine))
+    if prof is None:
+        src = _source
+        assert src is not None
+        prof = src(model if model is not None else engine) if callable(src) else src
+        if prof.num_layers != engine.num_layers:
+            raise ValueError(f"the given cost profile has {prof.num_layers} layers; the model has {engine.num_layers}")
+        _profiles[id(engine)] = prof
+    return prof
