@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
-from ..core import draft_vocab, fused, kernels, quant
+from ..core import clock, draft_vocab, fused, kernels, quant
 from ..core.cache import KVCache
 from ..core.skipset import NO_SKIP, SkipSet
 
@@ -124,6 +124,7 @@ class Engine:
                     argmax_only=argmax_only, subset=subset,
                 )  # fmt: skip
         T = input_ids.shape[0]
+        clock.charge(self, T, skip=skip, precision=kernels.active_draft_precision())  # simulated clock only
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
         adapter = self.adapter
@@ -143,6 +144,14 @@ class Engine:
             if cos is not None:
                 cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
             return self._head(h, last_only, argmax_only, draft, subset)
+        return self._head(self._module_pass(h, cache, start, skip, ropes, masks, cosine_out), last_only, argmax_only,
+                          draft, subset)  # fmt: skip
+
+    def _module_pass(self, h: torch.Tensor, cache: KVCache, start: int, skip: SkipSet, ropes, masks,
+                     cosine_out: list | None) -> torch.Tensor:  # fmt: skip
+        """The decoder layers as torch modules (no fused stack): ``h`` [1, T, H] through every kept sublayer,
+        the mean cosines around each appended to ``cosine_out`` when it is a list."""
+        adapter, collect = self.adapter, cosine_out is not None
         kv = cache.writer(start)
         attn_cos = [float("nan")] * self.num_layers
         mlp_cos = [float("nan")] * self.num_layers
@@ -159,7 +168,7 @@ class Engine:
                 h = h_new
         if collect:
             cosine_out.append(SublayerCosine(tuple(attn_cos), tuple(mlp_cos)))
-        return self._head(h, last_only, argmax_only, draft, subset)
+        return h
 
     def _head(self, h: torch.Tensor, last_only: bool, argmax_only: bool, draft: bool = False,
               subset: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
