@@ -14,7 +14,7 @@ import torch
 from test_quant import assert_rows_are_independent, random_blocks
 
 from selfspec.core import quant
-from selfspec.core.quant import CFLAGS, SOURCES, activations, from_gguf, int8_kernels_available, pack_x16
+from selfspec.core.quant import CFLAGS, ISA_FLAGS, SOURCES, activations, from_gguf, int8_kernels_available, pack_x16
 from selfspec.errors import SelfspecError
 
 KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0"]  # q4 and q8 forms; Q6_K: groups of 16
@@ -101,28 +101,42 @@ def test_an_unknown_activation_mode_is_a_clear_error():
         quant.set_activations("int4")
 
 
-@pytest.mark.skipif(not int8_kernels_available(), reason="needs a CPU with AVX512-VNNI")
+def _cpu_has(*flags: str) -> bool:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return all(f in line.split() for f in flags)
+
+
+@pytest.mark.skipif(not int8_kernels_available(), reason="needs native int8 kernels (AVX512-VNNI or AVX2)")
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 with gcc only")
-def test_the_portable_int8_path_computes_the_same_numbers_as_vnni(tmp_path):
-    """CPUs without VNNI (asked for int8 explicitly) get bit-identical products from the plain C loops."""
-    lib_path = tmp_path / "portable.so"
-    subprocess.run(["gcc", *CFLAGS, "-mno-avx512f", "-o", str(lib_path), *map(str, SOURCES), "-lm"], check=True)
+@pytest.mark.parametrize("isa, kind_code", [("avx2", 2), ("portable", 0)])
+def test_every_int8_path_computes_the_same_numbers(tmp_path, isa, kind_code):
+    """CPUs without VNNI get bit-identical products: from AVX2's vpmaddubsw (which saturates, so q8 codes take the
+    sign trick), or from the plain C loops; the reference is this machine's own native build."""
+    if isa == "avx2" and not _cpu_has("avx2", "fma"):
+        pytest.skip("this CPU has no AVX2")
+    lib_path = tmp_path / f"{isa}.so"
+    subprocess.run(["gcc", *CFLAGS, *ISA_FLAGS[isa], "-o", str(lib_path), *map(str, SOURCES), "-lm"], check=True)
     lib = ctypes.CDLL(str(lib_path))
-    assert lib.selfspec_int8_kernels() == 0
+    assert lib.selfspec_int8_kernels() == kind_code
     with activations("int8"):
-        for kind in ("Q4_K", "Q8_0", "Q6_K"):
-            qw = from_gguf(kind, random_blocks(kind, 48, 512, seed=4), 48, 512)
-            x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
-            y = torch.empty(5, 48)
-            codes, scale, minv = qw.x16()
-            p = ctypes.c_void_p
-            status = lib.selfspec_linear_x16(ctypes.c_int(4 if qw.fmt == "q4" else 8), ctypes.c_long(5),
-                                             ctypes.c_long(48), ctypes.c_long(512), ctypes.c_long(qw.group),
-                                             p(x.data_ptr()), p(codes.data_ptr()), p(scale.data_ptr()),
-                                             None if minv is None else p(minv.data_ptr()), None,
-                                             p(y.data_ptr()))  # fmt: skip
-            assert status == 0
-            assert torch.equal(y, qw.matmul(x)), kind
+        for kind in ("Q4_K", "Q8_0", "Q6_K", "Q5_K"):
+            for T in (1, 5, 9):
+                qw = from_gguf(kind, random_blocks(kind, 48, 512, seed=4), 48, 512)
+                x = 3 * torch.randn(T, 512, generator=torch.Generator().manual_seed(5 + T))
+                y = torch.empty(T, 48)
+                codes, scale, minv = qw.x16()
+                p = ctypes.c_void_p
+                status = lib.selfspec_linear_x16(ctypes.c_int(4 if qw.fmt == "q4" else 8), ctypes.c_long(T),
+                                                 ctypes.c_long(48), ctypes.c_long(512), ctypes.c_long(qw.group),
+                                                 p(x.data_ptr()), p(codes.data_ptr()), p(scale.data_ptr()),
+                                                 None if minv is None else p(minv.data_ptr()), None,
+                                                 p(y.data_ptr()))  # fmt: skip
+                assert status == 0
+                assert torch.equal(y, qw.matmul(x)), (kind, T)
 
 
 def test_the_fused_stack_follows_the_activation_mode(smollm2):

@@ -27,13 +27,19 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SELFSPEC_VNNI 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SELFSPEC_AVX2 1
+#include <immintrin.h>
 #endif
 
-/* 1 when the products below use VNNI instructions (the default activations on this machine), 0 for the
- * portable loops (exact, but slower than the fp32 kernels) */
+/* Which instructions the products below use: 1 VNNI (vpdpbusd), 2 AVX2 (vpmaddubsw + vpmaddwd: the same exact
+ * integer sums in three instructions per 32 bytes, for CPUs without AVX-512 VNNI), 0 the portable loops (exact,
+ * but slower than the fp32 kernels).  All three give bit-identical products. */
 int selfspec_int8_kernels(void) {
-#ifdef SELFSPEC_VNNI
+#if defined(SELFSPEC_VNNI)
     return 1;
+#elif defined(SELFSPEC_AVX2)
+    return 2;
 #else
     return 0;
 #endif
@@ -172,6 +178,88 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
     } while (0)
 #endif
 
+#ifdef SELFSPEC_AVX2
+/* The AVX2 form of block_vnni: NB (1..4) rows of x against one block of 16 output rows, as two halves of 8 rows
+ * (the first 32 bytes of a 64-byte code group hold rows 0-7, the next 32 rows 8-15).  vpmaddubsw multiplies
+ * unsigned by signed bytes and adds pairs into int16 with saturation, so each form keeps its pair sums in range:
+ * q4 codes (0..15) times xq (-127..127) reach 3,810; a q8 code is stored as code + 128 (0..255), which could
+ * reach 64,770, so it is taken as the signed code c (flip the top bit) whose magnitude |c| <= 128 meets xq with
+ * c's sign moved onto it (pairs <= 32,512), and 128 * sum(xq) is added back: the integer sum is then exactly
+ * vpdpbusd's, and the float operations are block_vnni's lane for lane, so the products are bit-identical. */
+static inline __attribute__((always_inline)) void block_avx2(const int NB, const int BITS, const long G,
+                                                             const int SYM, long K,
+                                                             const int8_t *xq, const float *dx, const float *ds,
+                                                             const uint8_t *codes, const float *scale,
+                                                             const float *minv, const float *bias, float *y,
+                                                             long ldy) {
+    const long groups = K / G;
+    __m256 acc[4][2];
+    for (int t = 0; t < NB; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = 4096 / group_bytes; /* as block_vnni's */
+    for (long g = 0; g < groups; g++) {
+        for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
+        const uint8_t *c = codes + g * group_bytes;
+        for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
+            const __m256 dv = _mm256_loadu_ps(scale + g * 16 + 8 * h);
+            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(-128.0f)) : _mm256_loadu_ps(minv + g * 16 + 8 * h);
+            for (int t = 0; t < NB; t++) {
+                const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
+                __m256i s;
+                if (BITS == 4) { /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
+                    __m256i p = _mm256_setzero_si256();
+                    for (int j = 0; j < 4; j++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j + 32 * h));
+                        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(xg[j])));
+                        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                                     _mm256_set1_epi32(xg[j + 4])));
+                    }
+                    s = _mm256_madd_epi16(p, ones16);
+                } else {
+                    __m256i sx = _mm256_setzero_si256();
+                    s = _mm256_setzero_si256();
+                    for (int j = 0; j < G / 4; j++) {
+                        const __m256i xb = _mm256_set1_epi32(xg[j]);
+                        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * j + 32 * h)), flip);
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w),
+                                                                                        _mm256_sign_epi8(xb, w)), ones16));
+                        sx = _mm256_add_epi32(sx, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16));
+                    }
+                    s = _mm256_add_epi32(s, _mm256_slli_epi32(sx, 7)); /* back to the codes + 128 */
+                }
+                const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
+                acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t][h]);
+                acc[t][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < NB; t++)
+        for (int h = 0; h < 2; h++) {
+            __m256 r = acc[t][h];
+            if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + 8 * h));
+            _mm256_storeu_ps(y + t * ldy + 8 * h, r);
+        }
+}
+
+#define BLOCK2(NB, BITS, G, SYM) \
+    block_avx2(NB, BITS, G, SYM, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
+               ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, yb + t0 * N, N)
+
+/* All T rows of x against one block of 16 output rows, in runs of up to 4 rows (16 vector registers) */
+#define BLOCK_ROWS(BITS, G, SYM)                                             \
+    do {                                                                     \
+        long t0 = 0;                                                         \
+        for (; t0 + 4 <= T; t0 += 4) BLOCK2(4, BITS, G, SYM);                \
+        switch (T - t0) {                                                    \
+            case 3: BLOCK2(3, BITS, G, SYM); break;                          \
+            case 2: BLOCK2(2, BITS, G, SYM); break;                          \
+            case 1: BLOCK2(1, BITS, G, SYM); break;                          \
+            default: break;                                                  \
+        }                                                                    \
+    } while (0)
+#endif
+
 /* The portable form of the same arithmetic (one row of x at a time) */
 static void block_portable(int bits, long K, long G, const int8_t *xq, const float *dx, const float *ds16,
                            const float *ds32, const uint8_t *codes, const float *scale, const float *minv,
@@ -211,7 +299,7 @@ static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows 
         const uint8_t *c = codes + nb * block_bytes;
         const float *s = scale + nb * groups * 16, *m = minv ? minv + nb * groups * 16 : NULL;
         const float *bb = bias ? bias + nb * 16 : NULL;
-#ifdef SELFSPEC_VNNI
+#if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
         float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
         if (bits == 4)
             BLOCK_ROWS(4, 32, 0);

@@ -61,6 +61,8 @@ SOURCES = (SOURCE, Path(__file__).with_name("fused_decoder.c"),  # one library: 
            Path(__file__).with_name("prefill_gemm.c"), Path(__file__).with_name("prompt_gemm.c"),
            Path(__file__).with_name("int8_kernels.c"))  # fmt: skip
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+ISA_ENV = "SELFSPEC_ISA"  # native (default) | avx2 | portable: which vector code of this x86 CPU the build may use
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 PREFILL_ROWS = 65  # within bulk_rows(), calls with at least this many rows take the prompt kernel
 PREFILL_KERNEL_ENV = "SELFSPEC_PREFILL_KERNEL"  # gemm | rows | split | tiles (see prefill_kernel)
 PREFILL_KERNELS = ("rows", "gemm", "split", "tiles")
@@ -162,7 +164,8 @@ _VNNI: bool | None = None
 
 
 def int8_kernels_available() -> bool:
-    """Whether the int8-activation products run on VNNI instructions here (``int8_kernels.c``)."""
+    """Whether the int8-activation products run on vector instructions here (``int8_kernels.c``: AVX512-VNNI,
+    or AVX2's vpmaddubsw; see :func:`int8_kernels_name`)."""
     global _VNNI
     if _VNNI is None:
         try:
@@ -172,9 +175,18 @@ def int8_kernels_available() -> bool:
     return _VNNI
 
 
+def int8_kernels_name() -> str:
+    """Which instructions compute the int8-activation products: "AVX512-VNNI", "AVX2" or "portable C"."""
+    try:
+        kind = int(native().selfspec_int8_kernels())
+    except NativeUnavailable:
+        return "none (no native kernels)"
+    return {1: "AVX512-VNNI", 2: "AVX2"}.get(kind, "portable C")
+
+
 def int8_activations() -> bool:
     """Whether products of quantised weights (outside the prompt's kernel) quantise their activations to int8,
-    as llama.cpp's CPU kernels do: ``auto`` (default) where the CPU has AVX512-VNNI, ``int8`` always (the
+    as llama.cpp's CPU kernels do: ``auto`` (default) where the CPU has AVX512-VNNI or AVX2, ``int8`` always (the
     portable loops elsewhere), ``float32`` never (``--activations``, ``load(activations=...)`` or
     ``SELFSPEC_ACTIVATIONS``).  int8 products of 4-16 rows are 2-4x faster here (one row: the same, bound by
     reading the weights; README "int8 activations") and move the model's logits by a few tenths of a percent,
@@ -260,6 +272,22 @@ _LIB: ctypes.CDLL | None = None
 _LIB_LOCK = threading.Lock()
 
 
+def isa() -> str:
+    """``SELFSPEC_ISA``: ``native`` (every instruction this CPU has), or, on x86, ``avx2`` (the code a CPU without
+    AVX-512 gets: int8 products by vpmaddubsw) or ``portable`` (plain C), to run and test those paths here."""
+    name = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if name not in ISA_FLAGS:
+        raise SelfspecError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, not {name!r}")
+    if name != "native" and platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        raise SelfspecError(f"{ISA_ENV}={name} narrows x86 builds; this machine is {platform.machine()}")
+    return name
+
+
+def build_flags() -> tuple[str, ...]:
+    """The C compiler's flags for the kernels: :data:`CFLAGS` narrowed by :func:`isa`."""
+    return CFLAGS + ISA_FLAGS[isa()]
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
@@ -272,7 +300,7 @@ def library_path() -> Path:
     except (OSError, subprocess.SubprocessError):
         version = ""
     key = hashlib.sha256(
-        b"|".join([*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), version.encode(),
+        b"|".join([*(src.read_bytes() for src in SOURCES), " ".join(build_flags()).encode(), version.encode(),
                    _cpu_signature().encode()])  # fmt: skip
     ).hexdigest()[:16]
     return cache_dir("native", f"quant_kernels-{platform.machine()}-{key}.so")
@@ -297,7 +325,7 @@ def build(*, verbose: bool = False) -> Path:
         raise NativeUnavailable("no C compiler found (install gcc, or set CC) to build the quantised kernels")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    cmd = [cc, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"]
+    cmd = [cc, *build_flags(), "-o", str(tmp), *map(str, SOURCES), "-lm"]
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     try:
