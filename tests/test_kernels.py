@@ -155,3 +155,18 @@ def test_cuda_runs_torch_kernels_and_stays_lossless():
     base = selfspec.generate(model, "Hello there", "vanilla", max_new_tokens=24)
     for method in ("asd", "swift"):
         assert selfspec.generate(model, "Hello there", method, max_new_tokens=24).token_ids == base.token_ids
+
+
+def test_kernels_json_carries_the_text_reports_figures(capsys, monkeypatch, smollm2):
+    """`selfspec kernels --json` is valid JSON (no NaN), and its one-token step is the text report's figure: the
+    same measured dict, one entry of it named as the text names it, against the same bound."""
+    import importlib
+
+    cli = importlib.import_module("selfspec.cli.main")  # the module (selfspec.cli.main is also the function)
+    monkeypatch.setattr(cli, "load_model", lambda args: smollm2)
+    assert cli.main(["kernels", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert out["one_token_step_ms"] == out["step_ms"]["1"] > 0
+    assert out["step_over_bound"] == pytest.approx(out["one_token_step_ms"] / out["quantized_bound_ms"])
+    assert out["int8_kernels"] in ("AVX512-VNNI", "AVX2", "portable C")
+    assert set(out["step_spread"]) == set(out["step_ms"]) and isinstance(out["busy"], bool)

@@ -394,34 +394,44 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         forget_cached_plans()  # measured afresh while loading
     model = load_model(args)
     report = model.kernel_report
-    steps = decode_step_ms(model)
+    spread: dict[int, float] = {}
+    steps = decode_step_ms(model, spread=spread)
     verifications = decode_step_ms(model, verify=True)
+    busy = max(spread.values()) > BUSY_SPREAD
     if args.json:
         extra = {}
         if model.quantization != "none":
-            from ..core.quant import measure_products
+            from ..core.quant import int8_kernels_name, measure_products
 
+            bound = _quantized_bound(model)
             extra = {"quantization": model.quantization, "quantized_products": measure_products(model.hf),
-                     **_quantized_bound(model)}
-        print(json.dumps({**report.to_dict(), "bound_ms": report.bound_ms, "step_ms": steps,
-                          "verify_ms": verifications, "extra_bytes": model.adapter.kernel_memory(),
-                          **_engine_paths(model), **extra}))  # fmt: skip
+                     **bound, "step_over_bound": steps[1] / bound["quantized_bound_ms"],
+                     "int8_kernels": int8_kernels_name()}  # fmt: skip
+        out = {**report.to_dict(), "bound_ms": report.bound_ms, "one_token_step_ms": steps[1], "step_ms": steps,
+               "step_spread": spread, "busy": busy, "verify_ms": verifications,
+               "extra_bytes": model.adapter.kernel_memory(), **_engine_paths(model), **extra}  # fmt: skip
+        print(json.dumps(_finite(out)))  # NaN (no float32 bound of a quantised model) is not JSON: null
         return 0
+    if busy:
+        print(f"warning: the machine was busy while timing (a step's upper/lower quartile up to "
+              f"{max(spread.values()):.1f}x): the figures below are unreliable; run again on a quiet machine")
     print(format_report(report, steps[1] if report.bandwidth_gbs else None))
     if model.quantization != "none":
         from ..core.kernel_plan import read_bandwidth_gbs
         from ..core.quant import format_products, measure_products, quantized_bytes
 
         bandwidth = read_bandwidth_gbs()
-        from ..core.quant import int8_activations, int8_kernels_available
+        from ..core.quant import int8_activations
 
         held, read = quantized_bytes(model.hf), quantized_bytes(model.hf, read=True)
         copies = f" (+{(held - read) / 1e6:.0f} MB interleaved copies for int8 products)" if held > read else ""
         print(f"\nweights kept quantised ({model.quantization}): {read / 1e6:.0f} MB{copies}")
-        mode = ("int8 (llama.cpp's scheme: rows quantised in blocks of 32, VNNI dot products)"
+        mode = ("int8 (llama.cpp's scheme: rows quantised in blocks of 32, integer dot products)"
                 if int8_activations() else "float32")
-        vnni = "has" if int8_kernels_available() else "lacks"
-        print(f"decoding products' activations: {mode}; this CPU {vnni} AVX512-VNNI (--activations to choose)")
+        from ..core.quant import int8_kernels_name
+
+        print(f"decoding products' activations: {mode}; int8 products by {int8_kernels_name()} here "
+              f"(--activations to choose; SELFSPEC_ISA=avx2|portable narrows the build)")
         print(format_products(measure_products(model.hf), bandwidth))
         bound = _quantized_bound(model, bandwidth)["quantized_bound_ms"]
         print(f"weight-read bound of one decoding step (every quantised weight read once at {bandwidth:.1f} GB/s): "
@@ -442,6 +452,20 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         print(f"draft vocabulary: drafts score {vocab.size} of {vocab.vocab_size} head rows, growing with the tokens "
               f"seen (copied rows: {vocab.nbytes / 1e6:.0f} MB; SELFSPEC_DRAFT_VOCAB=0 scores all)")
     return 0
+
+
+BUSY_SPREAD = 1.5  # a step's upper / lower quartile past this: something else ran during the timing
+
+
+def _finite(value):
+    """``value`` with every non-finite float replaced by None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _quantized_bound(model, bandwidth_gbs: float | None = None) -> dict[str, float]:
