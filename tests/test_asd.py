@@ -300,3 +300,30 @@ def test_admg_values_and_variants_imply_the_paper_preset():
 def test_bad_asd_options_are_clear_errors(options, message):
     with pytest.raises(InvalidInputError, match=message):
         build_policies("asd", options)
+
+
+@pytest.mark.parametrize("method", ["asd", "swift"])
+def test_the_measured_gate_follows_the_costs_it_is_given(tiny_llama, method):
+    """The whole default path (the model's cost profile, the rounds' clock, the drafter's economy) under
+    hand-written costs given through the simulated clock: drafting where drafts are cheap; where a draft costs a
+    full step, none (ASD's gate), or only SWIFT's exploring rounds (one in ``explore_every`` idle ones); the
+    same tokens either way."""
+    from selfspec.core import clock
+
+    L = tiny_llama.num_layers
+    drafted, exploring = {}, 0
+    for name, profile in (("cheap", cheap_profile(L)), ("dear", dear_profile(L))):
+        with clock.simulated(profile):
+            session = selfspec.Session(tiny_llama, method, draft_dtype="same")
+            drafted[name] = 0
+            for prompt in PROMPTS:
+                base = selfspec.generate(tiny_llama, prompt, "vanilla", max_new_tokens=48)
+                out = session.generate(prompt, max_new_tokens=48)
+                assert out.token_ids == base.token_ids, (name, prompt)
+                drafted[name] += out.stats.drafted
+                if name == "dear" and method == "swift":
+                    assert len(out.stats.accept_lengths) <= out.stats.forwards // 8 + 1, "exploring rounds only"
+                    exploring += out.stats.drafted
+    assert drafted["cheap"] > 0, drafted
+    assert drafted["dear"] == exploring, drafted
+    assert drafted["dear"] < drafted["cheap"], drafted
