@@ -370,3 +370,22 @@ def test_a_hybrids_draft_sources_are_summed_over_prompts_and_reported(model):
     assert summary.method("vanilla").sources is None
     report = markdown_report(summary)
     assert "### draft sources" in report and "| auto | lookup |" in report
+
+
+def test_prefill_and_decode_rates_are_reported_apart(run, tmp_path):
+    """Every method that times its prefill gets prompt tokens / prefill seconds and new tokens / the seconds
+    after it, in summary.json and report.md's tokens/s column; the three rates agree with one another."""
+    summary = summarize(run)
+    for label in ("vanilla", "asd", "asd-wide"):
+        m = summary.method(label)
+        recs = [r for r in run.by_method(label) if r.ok]
+        prefill = sum(r.stats["prefill_time"] for r in recs)
+        total = sum(r.stats["total_time"] for r in recs)
+        assert m.prefill_tokens_per_second == pytest.approx(sum(r.stats["prompt_tokens"] for r in recs) / prefill)
+        assert m.decode_tokens_per_second == pytest.approx(m.new_tokens / (total - prefill))
+        assert m.decode_tokens_per_second > m.new_tokens / total  # decoding alone runs faster than end to end
+    paths = write_outputs(run, summary, tmp_path)
+    data = json.loads(paths["summary"].read_text())
+    row = next(m for m in data["methods"] if m["label"] == "vanilla")
+    assert row["decode_tokens_per_second"] == pytest.approx(summary.method("vanilla").decode_tokens_per_second)
+    assert "tokens/s (prefill / decode)" in paths["report"].read_text()

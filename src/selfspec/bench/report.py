@@ -80,7 +80,7 @@ COLUMNS = (
     "speedup",
     "per-prompt mean",
     "vs hf",
-    "tokens/s",
+    "tokens/s (prefill / decode)",
     "M",
     "acceptance",
     "c",
@@ -100,7 +100,7 @@ def table_rows(rows: Sequence[MethodSummary], *, with_hf: bool) -> list[list[str
             _x(r.speedup),
             _x(r.speedup_mean),
             _x(r.speedup_vs_hf),
-            _f(r.tokens_per_second, 1),
+            _rates(r),
             _f(r.M),
             _pct(r.acceptance_rate),
             _f(r.c),
@@ -112,6 +112,14 @@ def table_rows(rows: Sequence[MethodSummary], *, with_hf: bool) -> list[list[str
         ]
         out.append(cells if with_hf else cells[:3] + cells[4:])
     return out
+
+
+def _rates(r: MethodSummary) -> str:
+    """End-to-end tokens/s, then prefill and decoding rates apart where the method timed them."""
+    whole = _f(r.tokens_per_second, 1)
+    if r.prefill_tokens_per_second is None or r.decode_tokens_per_second is None:
+        return whole
+    return f"{whole} ({r.prefill_tokens_per_second:.0f} / {r.decode_tokens_per_second:.1f})"
 
 
 def _columns(with_hf: bool) -> list[str]:

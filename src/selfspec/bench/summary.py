@@ -65,6 +65,8 @@ class MethodSummary:
     skip_frequency: dict[str, list[float]] | None = field(default=None, repr=False)  # per layer, over prompts
     mean_skipped: float | None = None  # sublayers skipped per prompt, on average
     sources: dict[str, dict[str, float]] | None = None  # hybrid drafting: rounds, drafted, accepted, ms per source
+    prefill_tokens_per_second: float | None = None  # prompt tokens / prefill seconds (llamacpp: its prompt_ms)
+    decode_tokens_per_second: float | None = None  # new tokens / the seconds after prefill (llamacpp: predicted_ms)
 
     @property
     def status(self) -> str:
@@ -221,7 +223,19 @@ def summarize_method(
         skip_frequency=freq,
         mean_skipped=mean_skipped,
         sources=_sources(ok),
+        **_phase_rates(ok),
     )
+
+
+def _phase_rates(ok: Sequence[PromptRecord]) -> dict[str, float | None]:
+    """Prefill and decoding rates apart: prompt tokens per prefill second, new tokens per second after it
+    (peers that time no prefill of their own, such as transformers' generate, get None)."""
+    prefill = _sum(ok, "prefill_time")
+    decode = _sum(ok, "total_time") - prefill
+    return {
+        "prefill_tokens_per_second": _ratio(_sum(ok, "prompt_tokens"), prefill) if prefill > 0 else None,
+        "decode_tokens_per_second": _ratio(_sum(ok, "new_tokens"), decode) if prefill > 0 and decode > 0 else None,
+    }
 
 
 def _acceptance_and_cost(
