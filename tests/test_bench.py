@@ -346,6 +346,32 @@ def test_llamacpp_peer_takes_paths_and_a_speculation_type():
         parse_methods("llamacpp:threads=two")
 
 
+def test_llama_bench_is_found_beside_the_server_and_its_json_read(tmp_path, monkeypatch):
+    """`selfspec kernels --compare-llama-cpp` reads llama-bench's JSON: pp and tg tests apart (a stand-in script
+    prints what llama-bench -o json prints, with the arguments it was given echoed back)."""
+    from selfspec.bench.llamacpp import ENV, find_binary, llama_bench
+
+    monkeypatch.delenv(ENV, raising=False)
+    bench = tmp_path / "llama-bench"
+    bench.write_text(
+        "#!/usr/bin/env python3\nimport json, sys\na = sys.argv\n"
+        "p, n = int(a[a.index('-p') + 1]), int(a[a.index('-n') + 1])\n"
+        "print(json.dumps([{'n_prompt': p, 'n_gen': 0, 'avg_ts': 300.5, 'n_threads': int(a[a.index('-t') + 1])},"
+        " {'n_prompt': 0, 'n_gen': n, 'avg_ts': 72.25}]))\n"
+    )
+    bench.chmod(0o755)
+    (tmp_path / "llama-server").write_text("#!/bin/sh\n")
+    (tmp_path / "llama-server").chmod(0o755)
+    assert find_binary(str(tmp_path / "llama-server"), tool="llama-bench") == bench  # its sibling
+    assert find_binary(str(tmp_path), tool="llama-bench") == bench  # its folder
+    assert find_binary(str(tmp_path)) == tmp_path / "llama-server"
+    got = llama_bench(tmp_path / "m.gguf", 2, binary=bench, prompt=64, generate=16)
+    assert got == {"prefill_tokens_per_second": 300.5, "decode_tokens_per_second": 72.25}
+    bench.write_text("#!/bin/sh\necho oops; exit 3\n")
+    with pytest.raises(RuntimeError, match="exited \\(3\\)"):
+        llama_bench(tmp_path / "m.gguf", 2, binary=bench)
+
+
 @pytest.mark.parametrize("where", [("--dataset", "xsum"), ("--stream", "xsum,humaneval")])
 def test_cli_bench_refuses_categories_without_spec_bench(where, capsys):
     """Checked before any model loads, with --dataset or in a stream that names no Spec-Bench."""

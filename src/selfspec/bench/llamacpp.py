@@ -43,16 +43,44 @@ ENV = "SELFSPEC_LLAMA_CPP"
 _SERVERS: dict[tuple[str, str, int, str], _Server] = {}
 
 
-def find_binary(option: str | None) -> Path | None:
-    """``llama-server`` from the option, the environment or PATH (None when absent)."""
+def find_binary(option: str | None, tool: str = "llama-server") -> Path | None:
+    """llama.cpp's ``tool`` from the option (the binary, a sibling tool or their folder), the environment or
+    PATH (None when absent)."""
     for where in (option, os.environ.get(ENV)):
         if where:
             p = Path(where).expanduser()
-            p = p / "llama-server" if p.is_dir() else p
+            p = p / tool if p.is_dir() else (p if tool in p.name else p.with_name(tool))
             if p.is_file() and os.access(p, os.X_OK):
                 return p
-    found = shutil.which("llama-server")
+    found = shutil.which(tool)
     return Path(found) if found else None
+
+
+def llama_bench(gguf: Path, threads: int, *, binary: Path, prompt: int = 512, generate: int = 128,
+                reps: int = 3) -> dict[str, float]:  # fmt: skip
+    """llama.cpp's own speed on ``gguf`` with ``threads`` threads, from ``llama-bench -o json``: prompt tokens
+    per second (pp``prompt``) and generated tokens per second (tg``generate``), each the mean of ``reps`` runs."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(generate),
+           "-r", str(reps), "-o", "json"]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"llama-bench could not run: {exc}") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench exited ({proc.returncode}): {proc.stderr.strip()[-300:]}")
+    try:
+        tests = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise RuntimeError(f"llama-bench printed no JSON: {proc.stdout.strip()[:200]}") from None
+    out: dict[str, float] = {}
+    for t in tests:
+        if int(t.get("n_gen", 0)) > 0 and int(t.get("n_prompt", 0)) == 0:
+            out["decode_tokens_per_second"] = float(t["avg_ts"])
+        elif int(t.get("n_prompt", 0)) > 0 and int(t.get("n_gen", 0)) == 0:
+            out["prefill_tokens_per_second"] = float(t["avg_ts"])
+    if "decode_tokens_per_second" not in out:
+        raise RuntimeError("llama-bench reported no generation test")
+    return out
 
 
 def gguf_file(model, option: str | None) -> Path:

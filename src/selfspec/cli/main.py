@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--force", action="store_true", help="measure again even if a cached choice exists")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--compare-llama-cpp", nargs="?", const="", default=None, metavar="PATH",
+                   help="also time llama.cpp's llama-bench on the same GGUF file and thread count (PATH: the binary "
+                        "or its folder; default $SELFSPEC_LLAMA_CPP or PATH) and print both decoding and prefill "
+                        "rates with their ratio")  # fmt: skip
     p.set_defaults(func=cmd_kernels)
 
     p = sub.add_parser(
@@ -398,6 +402,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     steps = decode_step_ms(model, spread=spread)
     verifications = decode_step_ms(model, verify=True)
     busy = max(spread.values()) > BUSY_SPREAD
+    llama = _compare_llama_cpp(model, args.compare_llama_cpp, steps[1]) if args.compare_llama_cpp is not None else None
     if args.json:
         extra = {}
         if model.quantization != "none":
@@ -410,6 +415,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         out = {**report.to_dict(), "bound_ms": report.bound_ms, "one_token_step_ms": steps[1], "step_ms": steps,
                "step_spread": spread, "busy": busy, "verify_ms": verifications,
                "extra_bytes": model.adapter.kernel_memory(), **_engine_paths(model), **extra}  # fmt: skip
+        if llama is not None:
+            out["llama_cpp"] = llama
         print(json.dumps(_finite(out)))  # NaN (no float32 bound of a quantised model) is not JSON: null
         return 0
     if busy:
@@ -447,11 +454,49 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     print("verification of T tokens (every row's logits and argmax; what drafts are priced with) (ms): "
           + ", ".join(f"T={t} {ms:.1f}" for t, ms in verifications.items()))
     print(f"prepared weight copies (packed / low precision) in use: {model.adapter.kernel_memory() / 1e6:.0f} MB")
+    if llama is not None:
+        print(f"llama.cpp (llama-bench -t {llama['threads']}, {llama['gguf']}): decoding "
+              f"{llama['decode_tokens_per_second']:.1f} tokens/s, prefill {llama['prefill_tokens_per_second']:.0f}; "
+              f"ours: decoding {llama['ours_decode_tokens_per_second']:.1f} (one-token step), prefill "
+              f"{llama['ours_prefill_tokens_per_second']:.0f} ({llama['prompt']} tokens): "
+              f"{llama['decode_ratio']:.2f}x / {llama['prefill_ratio']:.2f}x llama.cpp's")
     vocab = model.engine.draft_vocab
     if vocab is not None:
         print(f"draft vocabulary: drafts score {vocab.size} of {vocab.vocab_size} head rows, growing with the tokens "
               f"seen (copied rows: {vocab.nbytes / 1e6:.0f} MB; SELFSPEC_DRAFT_VOCAB=0 scores all)")
     return 0
+
+
+def _compare_llama_cpp(model, where: str, step_ms: float, prompt: int = 512) -> dict:
+    """llama-bench on the model's GGUF file with our thread count, beside our one-token step and a prompt's
+    prefill timed here (the median of 3 passes over ``prompt`` tokens)."""
+    import statistics
+    import time
+
+    import torch
+
+    from ..bench.llamacpp import find_binary, gguf_file, llama_bench
+    from ..errors import InvalidInputError
+
+    binary = find_binary(where or None, tool="llama-bench")
+    if binary is None:
+        raise InvalidInputError("--compare-llama-cpp: no llama-bench found (give its path or folder, set "
+                                "$SELFSPEC_LLAMA_CPP, or put it on PATH)")  # fmt: skip
+    gguf, threads = gguf_file(model, None), torch.get_num_threads()
+    prompt = min(prompt, model.max_context // 2)
+    ref = llama_bench(gguf, threads, binary=binary, prompt=prompt)
+    ids = torch.arange(prompt, device=model.engine.device) % model.adapter.vocab_size
+    times = []
+    for _ in range(3):
+        cache = model.engine.new_cache(prompt + 1)
+        t0 = time.perf_counter()
+        model.engine.forward(cache, ids, 0, prefill=True, last_only=True)
+        times.append(time.perf_counter() - t0)
+    ours_prefill, ours_decode = prompt / statistics.median(times), 1000.0 / step_ms
+    return {"binary": str(binary), "gguf": str(gguf), "threads": threads, "prompt": prompt, **ref,
+            "ours_decode_tokens_per_second": ours_decode, "ours_prefill_tokens_per_second": ours_prefill,
+            "decode_ratio": ours_decode / ref["decode_tokens_per_second"],
+            "prefill_ratio": ours_prefill / ref.get("prefill_tokens_per_second", float("nan"))}  # fmt: skip
 
 
 BUSY_SPREAD = 1.5  # a step's upper / lower quartile past this: something else ran during the timing
