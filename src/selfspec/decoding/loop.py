@@ -231,11 +231,13 @@ class Decoder:
         pf, token = self._prefill()
         cache, N, eos = pf.cache, self.max_new_tokens, self.model.eos_token_ids
         prefill_time = clock.now() - t_start
-        out, tally, skip = [token], _Tally(), None
+        out, tally = [token], _Tally()
+        skip = self._bind(pf.cosine) if pf.pending is None else None
         try:
             yield [token]
-            pf = measure_pending(self.model, pf)  # ASD's statistic of reused positions, after the first token
-            skip = self._bind(pf.cosine)
+            if pf.pending is not None:  # ASD's statistic of reused positions, measured after the first token
+                pf = measure_pending(self.model, pf)
+                skip = self._bind(pf.cosine)
             while len(out) < N and token not in eos:
                 c = cache.length  # `token` (the last bonus) sits at slot c, not yet in the cache
                 t0 = clock.now()
