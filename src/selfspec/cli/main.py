@@ -123,15 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="NAME", help="install: the built-in model(s) to install")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("kernels", help="which kernel computes each product on this machine, measured (GB/s)")
-    add_model_args(p)
-    p.add_argument("--force", action="store_true", help="measure again even if a cached choice exists")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--compare-llama-cpp", nargs="?", const="", default=None, metavar="PATH",
-                   help="also time llama.cpp's llama-bench on the same GGUF file and thread count (PATH: the binary "
-                        "or its folder; default $SELFSPEC_LLAMA_CPP or PATH) and print both decoding and prefill "
-                        "rates with their ratio")  # fmt: skip
-    p.set_defaults(func=cmd_kernels)
+    _add_kernels_parser(sub)
 
     p = sub.add_parser(
         "search",
@@ -388,7 +380,20 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_kernels_parser(sub) -> None:
+    p = sub.add_parser("kernels", help="which kernel computes each product on this machine, measured (GB/s)")
+    add_model_args(p)
+    p.add_argument("--force", action="store_true", help="measure again even if a cached choice exists")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--compare-llama-cpp", nargs="?", const="", default=None, metavar="PATH",
+                   help="also time llama.cpp's llama-bench on the same GGUF file and thread count (PATH: the binary "
+                        "or its folder; default $SELFSPEC_LLAMA_CPP or PATH) and print both decoding and prefill "
+                        "rates with their ratio")  # fmt: skip
+    p.set_defaults(func=cmd_kernels)
+
+
 def cmd_kernels(args: argparse.Namespace) -> int:
+    from ..core import native_tuning
     from ..core.kernel_plan import format_report
     from ..cost.costs import decode_step_ms
 
@@ -417,6 +422,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
                "extra_bytes": model.adapter.kernel_memory(), **_engine_paths(model), **extra}  # fmt: skip
         if llama is not None:
             out["llama_cpp"] = llama
+        out["native_tuning"] = native_tuning.as_dicts(model.native_tuning)
         print(json.dumps(_finite(out)))  # NaN (no float32 bound of a quantised model) is not JSON: null
         return 0
     if busy:
@@ -424,27 +430,11 @@ def cmd_kernels(args: argparse.Namespace) -> int:
               f"{max(spread.values()):.1f}x): the figures below are unreliable; run again on a quiet machine")
     print(format_report(report, steps[1] if report.bandwidth_gbs else None))
     if model.quantization != "none":
-        from ..core.kernel_plan import read_bandwidth_gbs
-        from ..core.quant import format_products, measure_products, quantized_bytes
-
-        bandwidth = read_bandwidth_gbs()
-        from ..core.quant import int8_activations
-
-        held, read = quantized_bytes(model.hf), quantized_bytes(model.hf, read=True)
-        copies = f" (+{(held - read) / 1e6:.0f} MB interleaved copies for int8 products)" if held > read else ""
-        print(f"\nweights kept quantised ({model.quantization}): {read / 1e6:.0f} MB{copies}")
-        mode = ("int8 (llama.cpp's scheme: rows quantised in blocks of 32, integer dot products)"
-                if int8_activations() else "float32")
-        from ..core.quant import int8_kernels_name
-
-        print(f"decoding products' activations: {mode}; int8 products by {int8_kernels_name()} here "
-              f"(--activations to choose; SELFSPEC_ISA=avx2|portable narrows the build)")
-        print(format_products(measure_products(model.hf), bandwidth))
-        bound = _quantized_bound(model, bandwidth)["quantized_bound_ms"]
-        print(f"weight-read bound of one decoding step (every quantised weight read once at {bandwidth:.1f} GB/s): "
-              f"{bound:.2f} ms; measured one-token step {steps[1]:.2f} ms ({steps[1] / bound:.2f}x the bound)")
+        _print_quantized(model, steps[1])
     paths = _engine_paths(model)
     print(f"decoder layers: {paths['decoder_layers']}; prompt prefill products: {paths['prefill_dtype']}")
+    for tuned in model.native_tuning:
+        print(f"kernel variant chosen by timing passes here{' (cached)' if tuned.cached else ''}: {tuned.describe()}")
     if model.quantization != "none":
         from ..core.quant import bfloat16_speedup
 
@@ -497,6 +487,26 @@ def _compare_llama_cpp(model, where: str, step_ms: float, prompt: int = 512) -> 
             "ours_decode_tokens_per_second": ours_decode, "ours_prefill_tokens_per_second": ours_prefill,
             "decode_ratio": ours_decode / ref["decode_tokens_per_second"],
             "prefill_ratio": ours_prefill / ref.get("prefill_tokens_per_second", float("nan"))}  # fmt: skip
+
+
+def _print_quantized(model, step_ms: float) -> None:
+    """The text report's part on quantised weights: their size, the activations' mode, each product's speed
+    and the one-token step against the weight-read bound."""
+    from ..core.kernel_plan import read_bandwidth_gbs
+    from ..core.quant import format_products, int8_activations, int8_kernels_name, measure_products, quantized_bytes
+
+    bandwidth = read_bandwidth_gbs()
+    held, read = quantized_bytes(model.hf), quantized_bytes(model.hf, read=True)
+    copies = f" (+{(held - read) / 1e6:.0f} MB interleaved copies for int8 products)" if held > read else ""
+    print(f"\nweights kept quantised ({model.quantization}): {read / 1e6:.0f} MB{copies}")
+    mode = ("int8 (llama.cpp's scheme: rows quantised in blocks of 32, integer dot products)"
+            if int8_activations() else "float32")
+    print(f"decoding products' activations: {mode}; int8 products by {int8_kernels_name()} here "
+          f"(--activations to choose; SELFSPEC_ISA=avx2|portable narrows the build)")
+    print(format_products(measure_products(model.hf), bandwidth))
+    bound = _quantized_bound(model, bandwidth)["quantized_bound_ms"]
+    print(f"weight-read bound of one decoding step (every quantised weight read once at {bandwidth:.1f} GB/s): "
+          f"{bound:.2f} ms; measured one-token step {step_ms:.2f} ms ({step_ms / bound:.2f}x the bound)")
 
 
 BUSY_SPREAD = 1.5  # a step's upper / lower quartile past this: something else ran during the timing

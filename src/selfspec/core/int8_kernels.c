@@ -97,8 +97,14 @@ typedef struct {
     const float *dx, *ds16, *ds32;
 } qrows;
 
+/* How far ahead (bytes of this thread's weight stream) the vector products prefetch: chosen per machine by timing
+ * whole passes (core/native_tuning.py; on Zen 5 2-16 KB gave the same speed on the 262k-row head, none 2/3 of
+ * it); 0 turns software prefetching off, for CPUs whose own prefetchers do better. */
+static long prefetch_bytes = 4096;
+void selfspec_set_int8_prefetch(long bytes) { prefetch_bytes = bytes < 0 ? 0 : bytes; }
+long selfspec_int8_prefetch(void) { return prefetch_bytes; }
+
 #ifdef SELFSPEC_VNNI
-#define PREFETCH_BYTES 4096 /* 2-16 KB gave the same speed on the 262k-row head; none, 2/3 of it */
 
 /* NB (1..8) rows of x against one block of 16 output rows; y [t * ldy + r] for r < 16.  BITS and G are
  * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: the rows' codes [t * K] and block scales
@@ -113,13 +119,15 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
     __m512 acc[8];
     for (int t = 0; t < NB; t++) acc[t] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
-    const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = PREFETCH_BYTES / group_bytes;
+    const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = prefetch_bytes / group_bytes;
     for (long g = 0; g < groups; g++) {
-        /* the weights PREFETCH_BYTES ahead in this thread's stream (its blocks are consecutive): a share of a
+        /* the weights prefetch_bytes ahead in this thread's stream (its blocks are consecutive): a share of a
          * product is too short a stream for the hardware prefetcher, which alone read the head at 2/3 the speed */
-        for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
-        __builtin_prefetch(scale + (g + ahead) * 16, 0, 0);
-        if (!SYM) __builtin_prefetch(minv + (g + ahead) * 16, 0, 0);
+        if (ahead) {
+            for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
+            __builtin_prefetch(scale + (g + ahead) * 16, 0, 0);
+            if (!SYM) __builtin_prefetch(minv + (g + ahead) * 16, 0, 0);
+        }
         __m512i w[8];
         if (BITS == 4) {
             const uint8_t *c = codes + g * 256;
@@ -197,9 +205,10 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
     for (int t = 0; t < NB; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
-    const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = 4096 / group_bytes; /* as block_vnni's */
+    const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = prefetch_bytes / group_bytes; /* as block_vnni's */
     for (long g = 0; g < groups; g++) {
-        for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
+        if (ahead)
+            for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
         const uint8_t *c = codes + g * group_bytes;
         for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
             const __m256 dv = _mm256_loadu_ps(scale + g * 16 + 8 * h);

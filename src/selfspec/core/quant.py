@@ -361,6 +361,9 @@ def native() -> ctypes.CDLL:
             lib.selfspec_linear_x16.argtypes = [ctypes.c_int, n, n, n, n, p, p, p, p, p, p]
             lib.selfspec_linear_x16.restype = ctypes.c_int
             lib.selfspec_int8_kernels.restype = ctypes.c_int
+            lib.selfspec_set_int8_prefetch.argtypes = [n]
+            lib.selfspec_set_int8_prefetch.restype = None
+            lib.selfspec_int8_prefetch.restype = n
             lib.selfspec_move_slots.argtypes = [n, p, p, p, n, p, n, n, n]
             lib.selfspec_move_slots.restype = None
             lib.selfspec_prefill_available.restype = ctypes.c_int

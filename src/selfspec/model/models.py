@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..arch.adapters import LlamaAdapter, adapter_for
+from ..core import native_tuning
 from ..core.kernel_plan import KernelReport, choose_plan, torch_only
 from ..errors import InvalidInputError, ModelNotFoundError, SelfspecError
 from ..io import atomic_dir, cache_dir
@@ -118,6 +119,7 @@ class Model:
     adapter: LlamaAdapter = field(init=False)
     engine: Engine = field(init=False)
     kernel_report: KernelReport = field(init=False)
+    native_tuning: list = field(init=False, default_factory=list)  # core.native_tuning.TuneResult per knob
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_MODES:
@@ -135,6 +137,7 @@ class Model:
             self.kernel_report = choose_plan(self.adapter.linears, self.adapter.device, self._pass_ms, force=force)
         self.adapter.set_kernel_plan(self.kernel_report.plan())
         self._timing_cache = None
+        self.native_tuning = native_tuning.tune_model(self, force=force)  # the native kernels' variants, timed here
         return self.kernel_report
 
     @torch.inference_mode()

@@ -1,0 +1,135 @@
+"""Variants of the native kernels, chosen by timing whole passes on the machine they run on.
+
+A kernel's best form depends on the CPU: how far ahead the int8 products
+prefetch their weight stream is worth a third of a step on one CPU (Zen 5:
+none read the 262k-row head at 2/3 of the speed of 2-16 KB ahead) and may cost
+on another whose own prefetchers already run ahead (Intel server parts have an
+L2 streamer that software prefetches can crowd out).  So no constant is
+right everywhere: each tunable knob is timed inside whole one-token passes of
+the model being loaded (what decoding repeats), the candidates interleaved so
+that a spell of load hits all alike, each priced by its fastest pass, and the
+fastest kept unless the default is within ``KEEP_DEFAULT`` of it.  Timings
+whose spread shows a busy machine choose nothing: the default holds and the
+next load times again.  The choice is cached per native library
+(its key holds the CPU model and flags, compiler and sources) and model size
+class, and ``selfspec kernels`` reports it with every candidate's time.
+
+Knobs (the native library's setters):
+
+* ``int8_prefetch``: bytes ahead of the int8 products' software prefetch
+  (0 = none), ``selfspec_set_int8_prefetch``.  Process-wide: the last loaded
+  model's choice holds; prefetching never changes a result, only its speed.
+
+``selfspec kernels --force`` tunes again and prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from ..io import atomic_write_text, cache_dir
+
+PREFETCH_CANDIDATES = (0, 1024, 4096, 16384)
+PREFETCH_DEFAULT = 4096
+KEEP_DEFAULT = 0.03  # the default stays unless a candidate is more than this share faster
+REPS = 9
+BUSY_SPREAD = 1.5  # a candidate's upper / lower quartile past this: the machine was busy, keep the default
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    knob: str
+    choice: int
+    default: int
+    ms: dict[int, float]  # candidate -> median ms of one timed pass
+    key: str
+    cached: bool = False
+    busy: bool = False  # timed on a busy machine: the default kept, nothing cached
+
+    def describe(self) -> str:
+        times = ", ".join(f"{v}: {ms:.2f} ms" for v, ms in sorted(self.ms.items()))
+        why = "default kept" if self.choice == self.default else f"{self.ms[self.default] / self.ms[self.choice]:.2f}x"
+        if self.busy:
+            why = "default kept: the machine was busy while timing"
+        return f"{self.knob} = {self.choice} ({why}; one-token pass with each: {times})"
+
+
+def tune(knob: str, candidates: tuple[int, ...], default: int, apply: Callable[[int], None],
+         time_pass: Callable[[], float], *, key: str, force: bool = False) -> TuneResult:  # fmt: skip
+    """Choose ``knob`` among ``candidates`` by timing ``time_pass`` (seconds of one pass) under each, applied
+    with ``apply``; from the cache under ``key`` unless ``force``.  The choice is applied before returning."""
+    path = cache_dir("native") / f"tuning-{knob}-{key}.json"
+    if not force and path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            result = TuneResult(knob, int(d["choice"]), default, {int(k): float(v) for k, v in d["ms"].items()},
+                                key, cached=True)  # fmt: skip
+            if result.choice in candidates:
+                apply(result.choice)
+                return result
+        except (ValueError, KeyError, TypeError):
+            pass  # damaged: time again
+    times: dict[int, list[float]] = {c: [] for c in candidates}
+    apply(default)
+    time_pass()  # warm
+    for rep in range(REPS):
+        order = candidates if rep % 2 == 0 else tuple(reversed(candidates))  # no candidate always first
+        for c in order:
+            apply(c)
+            times[c].append(1000 * time_pass())
+    ms = {c: min(ts) for c, ts in times.items()}  # the pass undisturbed: other work only ever adds time
+    spread = max(statistics.quantiles(ts, n=4)[2] / max(statistics.quantiles(ts, n=4)[0], 1e-12)
+                 for ts in times.values())  # fmt: skip
+    busy = spread > BUSY_SPREAD
+    best = min(ms, key=ms.__getitem__)
+    choice = best if not busy and ms[best] < (1 - KEEP_DEFAULT) * ms[default] else default
+    apply(choice)
+    result = TuneResult(knob, choice, default, ms, key, busy=busy)
+    if not busy:  # a choice made while something else ran is not kept: the next load times again
+        atomic_write_text(path, json.dumps({"choice": choice, "ms": {str(k): v for k, v in ms.items()}}) + "\n")
+    return result
+
+
+def tune_model(model, *, force: bool = False) -> list[TuneResult]:
+    """Tune every knob that applies to ``model`` (its passes on the native fused stack with int8 products);
+    [] when none does."""
+    from . import quant
+
+    engine = model.engine
+    if not getattr(engine, "fused", False) or not quant.int8_activations() or not quant.int8_kernels_available():
+        return []
+    lib = quant.native()
+    size_class = int(math.log2(max(1, quant.quantized_bytes(model.hf, read=True)) / 1e6) + 0.5)  # MB, powers of 2
+    key = f"{quant.library_path().stem}-w{size_class}"
+    return [tune("int8_prefetch", PREFETCH_CANDIDATES, PREFETCH_DEFAULT, lib.selfspec_set_int8_prefetch,
+                 _one_token_pass(model), key=key, force=force)]  # fmt: skip
+
+
+def _one_token_pass(model) -> Callable[[], float]:
+    """A timer of one-token passes after a 32-token context (the step decoding repeats)."""
+    import torch
+
+    engine, context = model.engine, 32
+    cache = engine.new_cache(context + 1)
+    vocab = model.adapter.vocab_size
+    with torch.inference_mode():
+        engine.forward(cache, torch.arange(context, device=engine.device) % vocab, 0)
+    cache.commit(context)
+    ids = torch.tensor([7 % vocab], device=engine.device)
+
+    def run() -> float:
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            engine.forward(cache, ids, context, last_only=True)
+            return time.perf_counter() - t0
+
+    return run
+
+
+def as_dicts(results: list[TuneResult]) -> list[dict]:
+    return [asdict(r) for r in results]

@@ -1,0 +1,97 @@
+"""Kernel variants chosen by timing on the machine at hand (core/native_tuning.py): the choice follows the
+timer, is cached, keeps the default within noise, and no variant changes a single logit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused import quantised_tiny
+
+from selfspec.core import native_tuning, quant
+from selfspec.core.native_tuning import tune
+
+
+def _fake_timer(ms_of: dict[int, float], state: dict):
+    def apply(value: int) -> None:
+        state["value"] = value
+
+    def time_pass() -> float:
+        state["calls"] = state.get("calls", 0) + 1
+        return ms_of[state["value"]] / 1000
+
+    return apply, time_pass
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Choices of these tests are cached in a folder of their own (the session's native/ is the user's)."""
+    monkeypatch.setattr(native_tuning, "cache_dir", lambda *parts: tmp_path)
+
+
+def test_the_fastest_candidate_wins_and_is_cached():
+    state: dict = {}
+    apply, time_pass = _fake_timer({0: 5.0, 1024: 3.0, 4096: 4.0, 16384: 4.1}, state)
+    first = tune("t", (0, 1024, 4096, 16384), 4096, apply, time_pass, key="k1")
+    assert first.choice == 1024 and state["value"] == 1024 and not first.cached
+    assert first.ms[0] == pytest.approx(5.0)
+    calls = state["calls"]
+    state["value"] = None
+    again = tune("t", (0, 1024, 4096, 16384), 4096, apply, time_pass, key="k1")
+    assert again.cached and again.choice == 1024 and state["value"] == 1024  # applied from the cache
+    assert state["calls"] == calls  # nothing timed
+    assert tune("t", (0, 1024, 4096, 16384), 4096, apply, time_pass, key="k1", force=True).cached is False
+
+
+def test_the_default_stays_within_noise():
+    state: dict = {}
+    apply, time_pass = _fake_timer({0: 4.0, 4096: 4.05}, state)  # 1% apart: under KEEP_DEFAULT
+    assert tune("t", (0, 4096), 4096, apply, time_pass, key="k2").choice == 4096
+
+
+@pytest.mark.skipif(not quant.int8_kernels_available(), reason="needs native int8 kernels")
+def test_no_prefetch_distance_changes_a_logit():
+    model = quantised_tiny("llama")
+    engine, lib = model.engine, quant.native()
+    ids = torch.arange(3, 40) % model.adapter.vocab_size
+    old = lib.selfspec_int8_prefetch()
+    out = []
+    try:
+        with quant.activations("int8"):
+            for value in native_tuning.PREFETCH_CANDIDATES:
+                lib.selfspec_set_int8_prefetch(value)
+                assert lib.selfspec_int8_prefetch() == value
+                cache = engine.new_cache(64)
+                engine.forward(cache, ids[:30], 0)
+                cache.commit(30)
+                out.append(engine.forward(cache, ids[30:], 30))
+    finally:
+        lib.selfspec_set_int8_prefetch(old)
+    assert all(torch.equal(out[0], o) for o in out[1:])
+
+
+def test_a_loaded_model_reports_its_tuned_variants(smollm2):
+    """The default model on the fused int8 stack is tuned at load: one result per knob, its choice among the
+    candidates, every candidate timed."""
+    if not (smollm2.engine.fused and quant.int8_activations()):
+        pytest.skip("no fused int8 stack here")
+    (result,) = smollm2.native_tuning
+    assert result.knob == "int8_prefetch" and result.choice in native_tuning.PREFETCH_CANDIDATES
+    assert set(result.ms) == set(native_tuning.PREFETCH_CANDIDATES) and all(ms > 0 for ms in result.ms.values())
+    assert "int8_prefetch =" in result.describe()
+
+
+def test_a_busy_machine_keeps_the_default_and_caches_nothing():
+    """Timings that swing (another process ran) decide nothing: the default holds and the next call times again."""
+    state: dict = {}
+    swings = iter([1.0, 9.0] * 100)
+
+    def apply(value: int) -> None:
+        state["value"] = value
+
+    def time_pass() -> float:
+        return (0.5 if state["value"] == 0 else 1.0) * next(swings) / 1000
+
+    first = tune("t", (0, 4096), 4096, apply, time_pass, key="k3")
+    assert first.busy and first.choice == 4096 and state["value"] == 4096
+    assert "busy" in first.describe()
+    assert not tune("t", (0, 4096), 4096, apply, time_pass, key="k3").cached
