@@ -49,23 +49,27 @@ def test_the_default_stays_within_noise():
 
 
 @pytest.mark.skipif(not quant.int8_kernels_available(), reason="needs native int8 kernels")
-def test_no_prefetch_distance_changes_a_logit():
+@pytest.mark.parametrize("knob, values", [("int8_prefetch", native_tuning.PREFETCH_CANDIDATES),
+                                          ("pass_threads", (1, 2, 3))])  # fmt: skip
+def test_no_variant_changes_a_logit(knob, values):
+    """Whatever a knob is set to, a prompt and a 7-token verification give the same logits bit for bit."""
     model = quantised_tiny("llama")
     engine, lib = model.engine, quant.native()
+    setter, getter = getattr(lib, f"selfspec_set_{knob}"), getattr(lib, f"selfspec_{knob}")
     ids = torch.arange(3, 40) % model.adapter.vocab_size
-    old = lib.selfspec_int8_prefetch()
+    old = getter()
     out = []
     try:
         with quant.activations("int8"):
-            for value in native_tuning.PREFETCH_CANDIDATES:
-                lib.selfspec_set_int8_prefetch(value)
-                assert lib.selfspec_int8_prefetch() == value
+            for value in values:
+                setter(value)
+                assert getter() == value
                 cache = engine.new_cache(64)
                 engine.forward(cache, ids[:30], 0)
                 cache.commit(30)
                 out.append(engine.forward(cache, ids[30:], 30))
     finally:
-        lib.selfspec_set_int8_prefetch(old)
+        setter(old)
     assert all(torch.equal(out[0], o) for o in out[1:])
 
 
@@ -74,10 +78,13 @@ def test_a_loaded_model_reports_its_tuned_variants(smollm2):
     candidates, every candidate timed."""
     if not (smollm2.engine.fused and quant.int8_activations()):
         pytest.skip("no fused int8 stack here")
-    (result,) = smollm2.native_tuning
+    result = smollm2.native_tuning[0]
     assert result.knob == "int8_prefetch" and result.choice in native_tuning.PREFETCH_CANDIDATES
     assert set(result.ms) == set(native_tuning.PREFETCH_CANDIDATES) and all(ms > 0 for ms in result.ms.values())
     assert "int8_prefetch =" in result.describe()
+    if torch.get_num_threads() > 1:
+        threads = smollm2.native_tuning[1]
+        assert threads.knob == "pass_threads" and threads.choice in threads.ms and 1 in threads.ms
 
 
 def test_a_busy_machine_keeps_the_default_and_caches_nothing():

@@ -558,6 +558,8 @@ static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf,
  * kernels).  int8: products of weights with an x16 copy take int8 activations (int8_kernels.c), except in a
  * bulk pass's prompt kernel.  kv16: the caches hold IEEE halves (else floats).  Returns 0, or -1 when scratch
  * memory is unavailable. */
+int selfspec_pass_threads(void); /* int8_kernels.c */
+
 int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
                           long start, long cap, float *h, float *cosine_out, int bulk, int int8, int kv16) {
     long width = 0, inter = 0;
@@ -585,7 +587,7 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
     }
     int failed = 0;
     const pass_t ps = {bulk, xq, &failed, kv16};
-#pragma omp parallel
+#pragma omp parallel num_threads(selfspec_pass_threads())
     {
         long *list = malloc((start + T) * sizeof(long));
         float *p = malloc(RMAX * (start + T) * sizeof(float));

@@ -21,6 +21,7 @@
  * the call.  The portable C path performs the same operations (fmaf where the vector code fuses).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -103,6 +104,13 @@ typedef struct {
 static long prefetch_bytes = 4096;
 void selfspec_set_int8_prefetch(long bytes) { prefetch_bytes = bytes < 0 ? 0 : bytes; }
 long selfspec_int8_prefetch(void) { return prefetch_bytes; }
+
+/* Threads of a decoding pass (the fused stack, the int8 head): 0 = OpenMP's default.  Chosen per machine by
+ * timing too: where the two "cores" are hyperthreads of one, or another process holds one, a second thread
+ * adds barrier waits and no bandwidth. */
+static int pass_threads = 0;
+void selfspec_set_pass_threads(int n) { pass_threads = n < 0 ? 0 : n; }
+int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_get_max_threads(); }
 
 #ifdef SELFSPEC_VNNI
 
@@ -365,7 +373,7 @@ int selfspec_linear_x16(int bits, long T, long N, long K, long G, const float *x
                         const float *scale, const float *minv, const float *bias, float *y) {
     void *buf = NULL;
     if (posix_memalign(&buf, 64, (size_t)selfspec_qrows_bytes(T, K))) return -1;
-#pragma omp parallel if (T * N * K > (1L << 16))
+#pragma omp parallel if (T * N * K > (1L << 16)) num_threads(selfspec_pass_threads())
     {
         selfspec_quantize_rows_ws(T, K, x, buf);
         selfspec_linear_x16_ws(bits, T, N, K, G, buf, codes, scale, minv, bias, y);

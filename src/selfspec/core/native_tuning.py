@@ -17,8 +17,14 @@ class, and ``selfspec kernels`` reports it with every candidate's time.
 Knobs (the native library's setters):
 
 * ``int8_prefetch``: bytes ahead of the int8 products' software prefetch
-  (0 = none), ``selfspec_set_int8_prefetch``.  Process-wide: the last loaded
-  model's choice holds; prefetching never changes a result, only its speed.
+  (0 = none), ``selfspec_set_int8_prefetch``;
+* ``pass_threads``: threads of a decoding pass (1, half, or all the threads
+  torch may use), ``selfspec_set_pass_threads``: where the two vCPUs of a VM
+  are hyperthreads of one core, or another process holds one, a second thread
+  adds barrier waits (a pass has several per layer) and no bandwidth.
+
+Both are process-wide (the last loaded model's choice holds) and change no
+result, only its speed (each thread's share is computed the same way).
 
 ``selfspec kernels --force`` tunes again and prints the table.
 """
@@ -98,6 +104,8 @@ def tune(knob: str, candidates: tuple[int, ...], default: int, apply: Callable[[
 def tune_model(model, *, force: bool = False) -> list[TuneResult]:
     """Tune every knob that applies to ``model`` (its passes on the native fused stack with int8 products);
     [] when none does."""
+    import torch
+
     from . import quant
 
     engine = model.engine
@@ -106,8 +114,16 @@ def tune_model(model, *, force: bool = False) -> list[TuneResult]:
     lib = quant.native()
     size_class = int(math.log2(max(1, quant.quantized_bytes(model.hf, read=True)) / 1e6) + 0.5)  # MB, powers of 2
     key = f"{quant.library_path().stem}-w{size_class}"
-    return [tune("int8_prefetch", PREFETCH_CANDIDATES, PREFETCH_DEFAULT, lib.selfspec_set_int8_prefetch,
-                 _one_token_pass(model), key=key, force=force)]  # fmt: skip
+    timer = _one_token_pass(model)
+    results = [tune("int8_prefetch", PREFETCH_CANDIDATES, PREFETCH_DEFAULT, lib.selfspec_set_int8_prefetch,
+                    timer, key=key, force=force)]  # fmt: skip
+    threads = torch.get_num_threads()  # the user's --threads / OMP_NUM_THREADS: the most a pass may use
+    lib.selfspec_set_pass_threads(threads)
+    if threads > 1:
+        candidates = tuple(sorted({1, max(1, threads // 2), threads}))
+        results.append(tune("pass_threads", candidates, threads, lib.selfspec_set_pass_threads, timer,
+                            key=f"{key}-t{threads}", force=force))  # fmt: skip
+    return results
 
 
 def _one_token_pass(model) -> Callable[[], float]:

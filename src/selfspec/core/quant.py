@@ -364,6 +364,9 @@ def native() -> ctypes.CDLL:
             lib.selfspec_set_int8_prefetch.argtypes = [n]
             lib.selfspec_set_int8_prefetch.restype = None
             lib.selfspec_int8_prefetch.restype = n
+            lib.selfspec_set_pass_threads.argtypes = [ctypes.c_int]
+            lib.selfspec_set_pass_threads.restype = None
+            lib.selfspec_pass_threads.restype = ctypes.c_int
             lib.selfspec_move_slots.argtypes = [n, p, p, p, n, p, n, n, n]
             lib.selfspec_move_slots.restype = None
             lib.selfspec_prefill_available.restype = ctypes.c_int
