@@ -147,6 +147,16 @@ class PrefixStore:
             return StoreStats(self._lookups, self._hits, self._reused, self._prefilled, len(self._entries),
                               self._bytes, self.max_bytes, self._evictions)  # fmt: skip
 
+    def copy(self) -> PrefixStore:
+        """A store holding the same entries (their tensors shared: entries are never written in place), counters
+        at zero: a benchmark repeats a request against the same cached state."""
+        with self._lock:
+            other = PrefixStore(self.max_bytes)
+            for key, e in self._entries.items():
+                other._entries[key] = _Entry(e.tokens, e.layers, e.signature, dict(e.marks))
+            other._next, other._bytes, other._engine = self._next, self._bytes, self._engine
+            return other
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
