@@ -171,31 +171,10 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
     }
 }
 
-/* rows t0.. of x (NB of them) against one block, for one (BITS, G) */
-#define BLOCK(NB, BITS, G, SYM) \
-    block_vnni(NB, BITS, G, SYM, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
-               ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, yb + t0 * N, N)
-
-/* All T rows of x against one block of 16 output rows, in runs of up to 8 rows */
-#define BLOCK_ROWS(BITS, G, SYM)                                             \
-    do {                                                                     \
-        long t0 = 0;                                                         \
-        for (; t0 + 8 <= T; t0 += 8) BLOCK(8, BITS, G, SYM);                 \
-        switch (T - t0) {                                                    \
-            case 7: BLOCK(7, BITS, G, SYM); break;                           \
-            case 6: BLOCK(6, BITS, G, SYM); break;                           \
-            case 5: BLOCK(5, BITS, G, SYM); break;                           \
-            case 4: BLOCK(4, BITS, G, SYM); break;                           \
-            case 3: BLOCK(3, BITS, G, SYM); break;                           \
-            case 2: BLOCK(2, BITS, G, SYM); break;                           \
-            case 1: BLOCK(1, BITS, G, SYM); break;                           \
-            default: break;                                                  \
-        }                                                                    \
-    } while (0)
 #endif
 
 #ifdef SELFSPEC_AVX2
-/* The AVX2 form of block_vnni: NB (1..4) rows of x against one block of 16 output rows, as two halves of 8 rows
+/* The AVX2 form of block_vnni: NB (1..BLOCK_RUN) rows of x against one block of 16 output rows, as two halves of 8 rows
  * (the first 32 bytes of a 64-byte code group hold rows 0-7, the next 32 rows 8-15).  vpmaddubsw multiplies
  * unsigned by signed bytes and adds pairs into int16 with saturation, so each form keeps its pair sums in range:
  * q4 codes (0..15) times xq (-127..127) reach 3,810; a q8 code is stored as code + 128 (0..255), which could
@@ -209,7 +188,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                                                              const float *minv, const float *bias, float *y,
                                                              long ldy) {
     const long groups = K / G;
-    __m256 acc[4][2];
+    __m256 acc[8][2]; /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
     for (int t = 0; t < NB; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
@@ -259,19 +238,35 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
         }
 }
 
-#define BLOCK2(NB, BITS, G, SYM) \
-    block_avx2(NB, BITS, G, SYM, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
-               ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, yb + t0 * N, N)
+#endif
 
-/* All T rows of x against one block of 16 output rows, in runs of up to 4 rows (16 vector registers) */
+#if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
+#ifdef SELFSPEC_VNNI
+#define BLOCK_KERNEL block_vnni
+#define BLOCK_RUN 8 /* rows per weight pass: 8 accumulators of 16 lanes */
+#else
+#define BLOCK_KERNEL block_avx2
+#define BLOCK_RUN 4 /* 4 rows x 2 halves of 8 lanes: the 16 vector registers */
+#endif
+
+/* rows t0.. of x (NB of them) against one block, for one (BITS, G) */
+#define BLOCK(NB, BITS, G, SYM) \
+    BLOCK_KERNEL(NB, BITS, G, SYM, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
+                 ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, yb + t0 * N, N)
+
+/* All T rows of x against one block of 16 output rows, in runs of up to BLOCK_RUN rows */
 #define BLOCK_ROWS(BITS, G, SYM)                                             \
     do {                                                                     \
         long t0 = 0;                                                         \
-        for (; t0 + 4 <= T; t0 += 4) BLOCK2(4, BITS, G, SYM);                \
+        for (; t0 + BLOCK_RUN <= T; t0 += BLOCK_RUN) BLOCK(BLOCK_RUN, BITS, G, SYM); \
         switch (T - t0) {                                                    \
-            case 3: BLOCK2(3, BITS, G, SYM); break;                          \
-            case 2: BLOCK2(2, BITS, G, SYM); break;                          \
-            case 1: BLOCK2(1, BITS, G, SYM); break;                          \
+            case 7: BLOCK(7, BITS, G, SYM); break;                           \
+            case 6: BLOCK(6, BITS, G, SYM); break;                           \
+            case 5: BLOCK(5, BITS, G, SYM); break;                           \
+            case 4: BLOCK(4, BITS, G, SYM); break;                           \
+            case 3: BLOCK(3, BITS, G, SYM); break;                           \
+            case 2: BLOCK(2, BITS, G, SYM); break;                           \
+            case 1: BLOCK(1, BITS, G, SYM); break;                           \
             default: break;                                                  \
         }                                                                    \
     } while (0)
