@@ -45,7 +45,7 @@ def fresh(model, prompt, method="vanilla", new: int = NEW, **kw):
 
 
 def same_bits(a, b, n: int, layers: int) -> bool:
-    return all(torch.equal(x, y) for i in range(layers) for x, y in zip(a.layer(i, n), b.layer(i, n)))
+    return all(torch.equal(x, y) for i in range(layers) for x, y in zip(a.layer(i, n), b.layer(i, n), strict=True))
 
 
 def test_a_reused_prefix_gives_the_bits_of_a_whole_prefill(qtiny):

@@ -118,7 +118,7 @@ def run_turns(model: Model, questions: Sequence[Question], methods: Sequence[Ben
                 times.append((*_timed(reuse, prompt, max_new_tokens, sampling), *fresh_times))
                 got, ref = reuse.last_result, fresh.last_result
                 same = same and got.token_ids == ref.token_ids
-            ttft_r, total_r, ttft_f, total_f = (statistics.median(col) for col in zip(*times))
+            ttft_r, total_r, ttft_f, total_f = (statistics.median(col) for col in zip(*times, strict=True))
             records.append(TurnRecord(q.id, method.label, got.stats.prompt_tokens, got.stats.reused_tokens,
                                       got.stats.new_tokens, ttft_r, ttft_f, total_r, total_f, same))  # fmt: skip
     return records
@@ -170,5 +170,7 @@ def print_turns(summary: dict, console) -> None:
                       f"{s['tokens_per_second_reuse']:.1f} / {s['tokens_per_second_fresh']:.1f}",
                       f"{s['tokens_per_second_ratio']:.2f}x", "yes" if s["identical"] else "NO")  # fmt: skip
     console.print(table)
-    console.print("(reuse / fresh: the session holding the first turn in its prefix cache / one prefilling it all "
-                  "again)", highlight=False)
+    console.print(
+        "(reuse / fresh: the session holding the first turn in its prefix cache / one prefilling it all again)",
+        highlight=False,
+    )

@@ -82,7 +82,8 @@ class KVCache:
         """Copies of every layer's keys and values of slots ``[0, end)`` (``[1, heads, end, dim]``, the buffers'
         own dtype: bit for bit), for :class:`selfspec.core.prefix_store.PrefixStore`."""
         with torch.inference_mode():
-            return [(k[:, :, :end].clone(), v[:, :, :end].clone()) for k, v in zip(self._keys, self._values)]
+            pairs = zip(self._keys, self._values, strict=True)
+            return [(k[:, :, :end].clone(), v[:, :, :end].clone()) for k, v in pairs]
 
     def load_prefix(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
         """Fill slots ``[0, length)`` of an empty cache with ``layers`` (what :meth:`prefix` gave, the same dtype

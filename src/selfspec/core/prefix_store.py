@@ -67,9 +67,11 @@ def inexact_reason(engine: Any) -> str | None:
         return ("the model runs on transformers' modules, whose products round a row differently with the number "
                 "of rows in the pass")  # fmt: skip
     if quant.prefill_has_own_kernel() or quant.prefill_kernel() != "rows":
-        return (f"the prompt's products take the {quant.prefill_kernel()!r} kernel (prefill dtype "
-                f"{str(quant.prefill_dtype()).removeprefix('torch.')}), whose rows differ in rounding from "
-                "one-token rows; reuse needs the row kernels (int8 activations, the default on AVX512-VNNI CPUs)")
+        return (
+            f"the prompt's products take the {quant.prefill_kernel()!r} kernel (prefill dtype "
+            f"{str(quant.prefill_dtype()).removeprefix('torch.')}), whose rows differ in rounding from "
+            "one-token rows; reuse needs the row kernels (int8 activations, the default on AVX512-VNNI CPUs)"
+        )
     return None
 
 

@@ -33,8 +33,8 @@ import torch
 
 from ..core import clock
 from ..core.cache import KVCache
-from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.prefix_store import PrefixStore
+from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.skipset import SkipSet
 from ..errors import InvalidInputError, SelfspecError
 from ..model.engine import SublayerCosine
