@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,7 +36,7 @@ ProfileSource = Any  # a CostProfile (selfspec.cost.costs), or a function making
 _lock = threading.Lock()
 _source: ProfileSource | None = None
 _virtual_s = 0.0
-_profiles: dict[int, Any] = {}  # id(engine) -> its simulated profile
+_profiles: dict[int, tuple[weakref.ref, Any]] = {}  # id(engine) -> (the engine, its simulated profile)
 
 
 def now() -> float:
@@ -61,9 +62,7 @@ def charge(engine: Any, tokens: int, *, skip: Any, precision: Any) -> None:
     global _virtual_s
     if _source is None:
         return
-    prof = _profiles.get(id(engine))
-    if prof is None:  # a pass before anyone asked for the profile (prefill): make it from the engine
-        prof = _profile_for(engine, None)
+    prof = _profile_for(engine, None)  # made from the engine if no one asked for it yet
     ms = prof.pass_ms(tokens, skip, precision)
     with _lock:
         _virtual_s += ms / 1000.0
@@ -85,12 +84,12 @@ def simulated(source: ProfileSource) -> Iterator[None]:
 
 
 def _profile_for(engine: Any, model: Any) -> Any:
-    prof = _profiles.get(id(engine))
-    if prof is None:
+    ref, prof = _profiles.get(id(engine), (None, None))
+    if ref is None or ref() is not engine:  # new, or an id reused after its engine was collected
         src = _source
         assert src is not None
         prof = src(model if model is not None else engine) if callable(src) else src
         if prof.num_layers != engine.num_layers:
             raise ValueError(f"the given cost profile has {prof.num_layers} layers; the model has {engine.num_layers}")
-        _profiles[id(engine)] = prof
+        _profiles[id(engine)] = (weakref.ref(engine), prof)
     return prof
