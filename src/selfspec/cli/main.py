@@ -393,7 +393,7 @@ def _add_kernels_parser(sub) -> None:
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
-    from ..core import native_tuning
+    from ..core import clock, native_tuning
     from ..core.kernel_plan import format_report
     from ..cost.costs import decode_step_ms
 
@@ -406,7 +406,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     spread: dict[int, float] = {}
     steps = decode_step_ms(model, spread=spread)
     verifications = decode_step_ms(model, verify=True)
-    busy = max(spread.values()) > BUSY_SPREAD
+    busy = max(spread.values()) > clock.BUSY_SPREAD
     llama = _compare_llama_cpp(model, args.compare_llama_cpp, steps[1]) if args.compare_llama_cpp is not None else None
     if args.json:
         extra = {}
@@ -507,9 +507,6 @@ def _print_quantized(model, step_ms: float) -> None:
     bound = _quantized_bound(model, bandwidth)["quantized_bound_ms"]
     print(f"weight-read bound of one decoding step (every quantised weight read once at {bandwidth:.1f} GB/s): "
           f"{bound:.2f} ms; measured one-token step {step_ms:.2f} ms ({step_ms / bound:.2f}x the bound)")
-
-
-BUSY_SPREAD = 1.5  # a step's upper / lower quartile past this: something else ran during the timing
 
 
 def _finite(value):

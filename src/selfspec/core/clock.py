@@ -24,6 +24,7 @@ tests of measurement itself opt out with ``@pytest.mark.real_clock``.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import weakref
@@ -44,6 +45,18 @@ def now() -> float:
     if _source is None:
         return time.perf_counter()
     return _virtual_s
+
+
+BUSY_SPREAD = 1.5  # timings whose upper / lower quartile exceed this: something else ran while they were taken
+
+
+def quartile_spread(samples: list[float]) -> float:
+    """Upper over lower quartile of repeated timings of one thing: ~1.0-1.2 on a quiet machine, and past
+    :data:`BUSY_SPREAD` when other work took the cores during some of them."""
+    if len(samples) < 2:
+        return 1.0
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return q3 / q1 if q1 > 0 else float("inf")
 
 
 def active() -> bool:

@@ -33,18 +33,17 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..io import atomic_write_text, cache_dir
+from . import clock
 
 PREFETCH_CANDIDATES = (0, 1024, 4096, 16384)
 PREFETCH_DEFAULT = 4096
 KEEP_DEFAULT = 0.03  # the default stays unless a candidate is more than this share faster
 REPS = 9
-BUSY_SPREAD = 1.5  # a candidate's upper / lower quartile past this: the machine was busy, keep the default
 
 
 @dataclass(frozen=True)
@@ -89,9 +88,7 @@ def tune(knob: str, candidates: tuple[int, ...], default: int, apply: Callable[[
             apply(c)
             times[c].append(1000 * time_pass())
     ms = {c: min(ts) for c, ts in times.items()}  # the pass undisturbed: other work only ever adds time
-    spread = max(statistics.quantiles(ts, n=4)[2] / max(statistics.quantiles(ts, n=4)[0], 1e-12)
-                 for ts in times.values())  # fmt: skip
-    busy = spread > BUSY_SPREAD
+    busy = max(clock.quartile_spread(ts) for ts in times.values()) > clock.BUSY_SPREAD
     best = min(ms, key=ms.__getitem__)
     choice = best if not busy and ms[best] < (1 - KEEP_DEFAULT) * ms[default] else default
     apply(choice)

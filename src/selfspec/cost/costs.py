@@ -304,9 +304,7 @@ def decode_step_ms(model, rows=(1, 2, 4, 8, 16), *, context: int = 128, reps: in
             if rep:
                 times[T].append(1000 * (time.perf_counter() - t0))
     if spread is not None:
-        for T, ts in times.items():
-            q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-            spread[T] = q[2] / q[0] if q[0] > 0 else float("inf")
+        spread.update({T: clock.quartile_spread(ts) for T, ts in times.items()})
     return {T: statistics.median(ts) for T, ts in times.items()}
 
 
