@@ -27,6 +27,7 @@ from typing import Any
 from .core.prefix_store import DEFAULT_MB, PrefixStore
 from .core.sampling import SamplingParams
 from .cost.costs import prepare_costs
+from .decoding.batch import StepBatcher
 from .decoding.loop import Decoder, GenerationStats
 from .methods import build_policies
 from .model.models import Model, load
@@ -44,17 +45,20 @@ class GenerationResult:
 class Session:
     """One method on one model, with its state carried across prompts.
 
-    Not thread-safe: the policies, the drafter's economy and the model's
-    draft-precision copies change during a generation.  Use one session per
-    thread (and one model per thread where generations run at the same time).
+    Not thread-safe: the policies and the drafter's economy change during a generation.  Use one session per
+    thread; sessions of one model may generate at the same time (the engine runs one pass at a time), and
+    with one shared ``batcher`` their verification passes run together.
 
     ``prefix_cache``: the bound in MB of the session's own prefix store (default 256; 0: none), or a
     :class:`~selfspec.core.prefix_store.PrefixStore` to share (a server's sessions share one).
+    ``batcher``: a :class:`~selfspec.decoding.batch.StepBatcher` shared by sessions generating at the same
+    time, one per thread, on one model: their verification passes then run together (a server's slots).
     """
 
     def __init__(self, model: Model | str, method: str = "auto", *, prefix_cache: float | PrefixStore | None = None,
-                 **options: Any) -> None:  # fmt: skip
+                 batcher: StepBatcher | None = None, **options: Any) -> None:  # fmt: skip
         self.model = load(model) if isinstance(model, str) else model
+        self.batcher = batcher
         self.method = method
         self.options = options
         if isinstance(prefix_cache, PrefixStore):
@@ -80,6 +84,7 @@ class Session:
             draft_policy=self.draft_policy,
             sampling=sampling,
             prefix_store=self.prefix_store if self.prefix_store.enabled else None,
+            batcher=self.batcher,
         )
 
     def generate(

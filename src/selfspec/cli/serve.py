@@ -16,7 +16,8 @@ def add_serve_parser(sub) -> None:
         help="an OpenAI-compatible server (chat and text completions, streaming) with a playground page at /",
         description="Serve one model over OpenAI's HTTP API: POST /v1/chat/completions and /v1/completions "
         "(stream or not), GET /v1/models, /health, /metrics (Prometheus) and a chat playground at /. Requests are "
-        "decoded one at a time in arrival order, from a bounded queue (batch size 1: what our methods decode).",
+        "taken in arrival order from a bounded queue; up to --parallel of them decode together, their rounds "
+        "verified in one batched pass (each request's output is the one it gets alone).",
     )
     add_model_args(p)
     p.add_argument("--method", default="auto", help="default method of requests (auto)")
@@ -26,6 +27,9 @@ def add_serve_parser(sub) -> None:
                    "saved after each request and at shutdown")  # fmt: skip
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     p.add_argument("--queue-size", type=int, default=8, help="requests waiting at most; more get 429 (8)")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="requests decoded together (1..16; default: 4, 2 or 1, the most whose batched pass costs "
+                   "at most 1.5x a one-row pass on this machine, from the measured costs)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=2048, help="most new tokens a request may ask for (2048)")
     p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_MB,
                    help=f"memory bound of the prefix cache, in MB ({DEFAULT_MB}; 0: off): the keys and values of "
@@ -37,9 +41,10 @@ def add_serve_parser(sub) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..cost.costs import cost_profile
     from ..methods import METHODS
     from ..server.app import Limits, allowed_methods, create_app
-    from ..server.worker import Worker
+    from ..server.worker import MAX_PARALLEL, Worker, default_parallel
 
     if args.method not in METHODS:
         raise InvalidInputError(f"unknown method '{args.method}'; choose one of {', '.join(METHODS)}")
@@ -49,14 +54,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidInputError("--queue-size and --max-tokens must be at least 1")
     if args.prefix_cache_mb < 0:
         raise InvalidInputError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb:g}")
+    if args.parallel is not None and not 1 <= args.parallel <= MAX_PARALLEL:
+        raise InvalidInputError(f"--parallel must be in 1..{MAX_PARALLEL}, got {args.parallel}")
     model = load_model(args)
+    parallel = args.parallel or default_parallel(cost_profile(model))
     worker = Worker(model, args.method, allowed=allowed_methods(args.method), queue_size=args.queue_size,
-                    state_path=args.state, prefix_cache_mb=args.prefix_cache_mb)  # fmt: skip
+                    state_path=args.state, prefix_cache_mb=args.prefix_cache_mb, parallel=parallel)  # fmt: skip
     worker.start()
     app = create_app(worker, api_key=args.api_key, limits=Limits(max_tokens=args.max_tokens))
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"selfspec serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    print(f"selfspec serve: {model.name}, method {args.method}, {worker.prefix_cache_line()}, on "
+    print(f"selfspec serve: {model.name}, method {args.method}, {parallel} parallel, {worker.prefix_cache_line()}, on "
           f"http://{args.host}:{args.port}/ (playground at /, OpenAI API under /v1)", file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

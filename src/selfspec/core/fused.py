@@ -187,6 +187,52 @@ class FusedStack:
         T = h.shape[1]
         if start + T > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {cache.capacity}")
+        io, keep = self._io(cache, masks, ropes)
+        status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
+                          io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
+                          None if cosines is None else self._cosine_buffer(cosines), int(prompt),
+                          int(self.int8), int(cache.dtype == torch.float16))  # fmt: skip
+        del keep
+        if status != 0:
+            raise MemoryError("the fused decoder could not allocate its scratch memory")
+        return h
+
+    def run_batch(self, hs: list[torch.Tensor], *, caches: list[KVCache], starts: list[int], masks: list[dict],
+                  ropes: list[dict], skip: SkipSet) -> list[torch.Tensor]:  # fmt: skip
+        """Several sequences' passes in one native call (concurrent requests decoded together): ``hs[s]``
+        ``[1, T_s, hidden]`` of sequence s through every layer, its keys/values written at slots
+        ``[starts[s], starts[s] + T_s)`` of ``caches[s]``, under its ``masks[s]`` and ``ropes[s]`` (as
+        :meth:`run` takes them).  Each sequence's rows come out as :meth:`run` gives them alone, bit for bit;
+        the weights are read once for all of them."""
+        if self.int8 != int8_activations():
+            self._describe(not self.int8)
+        dtypes = {c.dtype for c in caches}
+        if len(dtypes) != 1:
+            raise ValueError(f"one batch needs caches of one dtype, not {sorted(map(str, dtypes))}")
+        lengths = [h.shape[1] for h in hs]
+        for cache, start, T in zip(caches, starts, lengths, strict=True):
+            if start + T > cache.capacity:
+                raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {cache.capacity}")
+        h = torch.cat([x.to(torch.float32) for x in hs], dim=1).contiguous()  # written in place
+        ios, keep = zip(*(self._io(c, m, r) for c, m, r in zip(caches, masks, ropes, strict=True)), strict=True)
+        io = np.ascontiguousarray(np.concatenate(ios))
+        off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        start = np.asarray(starts, dtype=np.int64)
+        cap = np.asarray([c.capacity for c in caches], dtype=np.int64)
+        status = self._lib.selfspec_fused_layers_batch(
+            ctypes.c_long(len(self.layers)), ctypes.c_void_p(ctypes.addressof(self._structs)),
+            ctypes.c_void_p(self._flags(skip).ctypes.data), ctypes.c_void_p(io.ctypes.data),
+            ctypes.c_long(len(hs)), ctypes.c_void_p(off.ctypes.data), ctypes.c_void_p(start.ctypes.data),
+            ctypes.c_void_p(cap.ctypes.data), ctypes.c_void_p(h.data_ptr()), ctypes.c_int(int(self.int8)),
+            ctypes.c_int(int(caches[0].dtype == torch.float16)))  # fmt: skip
+        del keep
+        if status != 0:
+            raise MemoryError("the fused decoder could not allocate its scratch memory")
+        return list(torch.split(h, lengths, dim=1))
+
+    def _io(self, cache: KVCache, masks: dict, ropes: dict) -> tuple[np.ndarray, list]:
+        """The C ``layer_io`` of every layer for one sequence ``[layers, 5]`` (mask, cos, sin, key and value
+        cache pointers), and the tensors it points to (to be kept alive through the call)."""
         io = np.zeros((len(self.layers), IO_FIELDS), dtype=np.uint64)
         masks = [masks[w] for w in self._windows]
         masks = [None if m is None else m.contiguous() for m in masks]
@@ -198,10 +244,4 @@ class FusedStack:
         if kv_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"the fused stack keeps its cache in float32 or float16, not {kv_dtype}")
         io[:, 3:] = cache.buffer_pointers([(layer.n_kv, layer.head_dim) for layer in self.layers], kv_dtype)
-        status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
-                          io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
-                          None if cosines is None else self._cosine_buffer(cosines), int(prompt),
-                          int(self.int8), int(kv_dtype == torch.float16))  # fmt: skip
-        if status != 0:
-            raise MemoryError("the fused decoder could not allocate its scratch memory")
-        return h
+        return io, [masks, tables]

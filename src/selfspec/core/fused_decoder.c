@@ -432,10 +432,33 @@ static int heads_together(long T, long n_heads, long groups, int threads) {
 }
 
 typedef struct {
-    const uint8_t *mask; /* [T, start + T] (1 = may attend) or NULL: causal */
+    const uint8_t *mask; /* [T, start + T] (1 = may attend) or NULL: causal (T, start: of its sequence) */
     const float *cos, *sin; /* [T, head_dim] */
     void *k, *v;            /* this layer's cache [n_kv, capacity, head_dim] (floats, or halves: pass_t.kv16) */
 } layer_io;
+
+/* The sequences of a pass.  Rows [off[s], off[s + 1]) of h belong to sequence s, whose new keys and values go
+ * to slots [start[s], start[s] + T_s) of its caches of cap[s] slots; io[s * layers + i]: its layer i's mask,
+ * rotary tables and caches.  One sequence: a pass of one decoding; several: the rounds of concurrent requests
+ * in one batch (the weights read once for all), each row computed exactly as in a pass of its sequence alone:
+ * products are row-exact and a row's attention reads only its own sequence's cache, in the same order. */
+typedef struct {
+    long n, layers;
+    const long *off, *start, *cap;
+    const long *seq_of; /* [T]: the sequence of each row */
+    const layer_io *io;
+} seqs_t;
+
+/* Row t's sequence s, its index in that sequence, and the layer's io of that sequence */
+typedef struct {
+    long s, t;
+    const layer_io *io;
+} row_t;
+
+static inline row_t row_of(const seqs_t *sq, long layer, long t) {
+    const long s = sq->seq_of[t];
+    return (row_t){s, t - sq->off[s], sq->io + s * sq->layers + layer};
+}
 
 /* Where the cosine similarity of each sublayer's input and output goes (ASD's statistics of the prompt):
  * row: scratch [T]; out: [2n], attention of layer i at 2i, MLP at 2i + 1, the mean over the T rows.  NULL
@@ -481,8 +504,8 @@ static void add_residual(const float *out_norm, float off, float eps, long T, lo
 /* The blocks below run inside one parallel region (every thread calls them): products and per-row work are
  * shared out with work-sharing loops, each followed by the barrier its readers need.  list, p: this thread's
  * scratch for attention (start + T entries). */
-static void attention_block(const layer_t *L, const layer_io *io, long T, long start, long cap, float *h,
-                            float *x, float *q, float *k, float *v, float *a, float *o, long *list, float *p,
+static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long T, float *h, float *x, float *q,
+                            float *k, float *v, float *a, float *o, long *list, float *p, long pstride,
                             const cosines *cos, long slot, const pass_t *ps) {
     const long H = L->hidden, nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
@@ -497,30 +520,35 @@ static void attention_block(const layer_t *L, const layer_io *io, long T, long s
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) {
+        const row_t r = row_of(sq, layer, t);
+        const long start = sq->start[r.s], cap = sq->cap[r.s];
+        const float *rc = r.io->cos + r.t * hd, *rs = r.io->sin + r.t * hd;
         for (long hh = 0; hh < nh; hh++) {
             float *qh = q + (t * nh + hh) * hd;
             if (L->q_norm) rmsnorm(qh, L->q_norm, off, eps, hd, qh);
-            rope(qh, io->cos + t * hd, io->sin + t * hd, hd);
+            rope(qh, rc, rs, hd);
         }
         for (long g = 0; g < nkv; g++) {
             float *kh = k + (t * nkv + g) * hd;
             if (L->k_norm) rmsnorm(kh, L->k_norm, off, eps, hd, kh);
-            rope(kh, io->cos + t * hd, io->sin + t * hd, hd);
-            kv_put(io->k, (g * cap + start + t) * hd, kh, hd, ps->kv16);
-            kv_put(io->v, (g * cap + start + t) * hd, v + (t * nkv + g) * hd, hd, ps->kv16);
+            rope(kh, rc, rs, hd);
+            kv_put(r.io->k, (g * cap + start + r.t) * hd, kh, hd, ps->kv16);
+            kv_put(r.io->v, (g * cap + start + r.t) * hd, v + (t * nkv + g) * hd, hd, ps->kv16);
         }
     }
-    const long nkeys = start + T;
     const int R = heads_together(T, nh, groups, omp_get_num_threads());
     const long per_t = groups / R; /* work items per token and key/value head */
 #pragma omp for schedule(static)
     for (long it = 0; it < nkv * T * per_t; it++) { /* key/value head by key/value head: its cache stays hot */
         const long g = it / (T * per_t), t = it / per_t % T, hh = g * groups + it % per_t * R;
-        const uint8_t *allow = io->mask ? io->mask + t * nkeys : NULL;
-        const long visible = io->mask ? nkeys : start + t + 1;
-        attend_rows(R, ps->kv16, q + (t * nh + hh) * hd, kv_at(io->k, g * cap * hd, ps->kv16),
-                    kv_at(io->v, g * cap * hd, ps->kv16), hd, visible, allow,
-                    (float)L->scaling, list, p, nkeys, a + (t * nh + hh) * hd);
+        const row_t r = row_of(sq, layer, t);
+        const long start = sq->start[r.s], cap = sq->cap[r.s];
+        const long nkeys = start + sq->off[r.s + 1] - sq->off[r.s];
+        const uint8_t *allow = r.io->mask ? r.io->mask + r.t * nkeys : NULL;
+        const long visible = r.io->mask ? nkeys : start + r.t + 1;
+        attend_rows(R, ps->kv16, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv16),
+                    kv_at(r.io->v, g * cap * hd, ps->kv16), hd, visible, allow,
+                    (float)L->scaling, list, p, pstride, a + (t * nh + hh) * hd);
     }
     quantize(T, nh * hd, a, ps);
     matmul(&L->o, T, a, o, ps);
@@ -550,24 +578,22 @@ static void mlp_block(const layer_t *L, long T, float *h, float *x, float *gbuf,
     add_residual(L->mlp_out_norm, off, eps, T, H, o, h, cos, slot);
 }
 
-/* Runs layers 0..n-1 over h [T, hidden] in place.  skip: [2n] flags (attention of layer i at 2i, MLP at
- * 2i+1); io: [n] per-layer mask, rotary table and cache buffers; new keys/values go to slots
- * [start, start + T) of caches with `cap` slots.  cosine_out: NULL, or [2n] that receives each computed
- * sublayer's mean cosine of input and output (skipped ones are left as they are).  bulk: the prompt's pass,
- * whose products of PROMPT_ROWS rows or more take prompt_gemm.c (0: every product in the T-independent row
- * kernels).  int8: products of weights with an x16 copy take int8 activations (int8_kernels.c), except in a
- * bulk pass's prompt kernel.  kv16: the caches hold IEEE halves (else floats).  Returns 0, or -1 when scratch
- * memory is unavailable. */
 int selfspec_pass_threads(void); /* int8_kernels.c */
 
-int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
-                          long start, long cap, float *h, float *cosine_out, int bulk, int int8, int kv16) {
-    long width = 0, inter = 0;
+/* The stack over the sequences of sq (see seqs_t); h: [T, hidden], every sequence's rows in turn. */
+static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *sq, long T, float *h,
+                      float *cosine_out, int bulk, int int8, int kv16) {
+    const long n = sq->layers;
+    long width = 0, inter = 0, keys = 0;
     for (long i = 0; i < n; i++) {
         const layer_t *L = layers + i;
         const long w = L->hidden > L->n_heads * L->head_dim ? L->hidden : L->n_heads * L->head_dim;
         width = w > width ? w : width;
         inter = L->inter > inter ? L->inter : inter;
+    }
+    for (long s = 0; s < sq->n; s++) {
+        const long ks = sq->start[s] + sq->off[s + 1] - sq->off[s];
+        keys = ks > keys ? ks : keys;
     }
     /* 64-byte aligned rows (hidden sizes are multiples of 16 floats): a vector load that straddles two cache
      * lines costs two, and a prompt pass ran at 0.6 of its speed whenever malloc handed out a misaligned block */
@@ -589,8 +615,8 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
     const pass_t ps = {bulk, xq, &failed, kv16};
 #pragma omp parallel num_threads(selfspec_pass_threads())
     {
-        long *list = malloc((start + T) * sizeof(long));
-        float *p = malloc(RMAX * (start + T) * sizeof(float));
+        long *list = malloc(keys * sizeof(long));
+        float *p = malloc(RMAX * keys * sizeof(float));
         if (!list || !p) {
 #pragma omp atomic write
             failed = 1;
@@ -598,7 +624,8 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
 #pragma omp barrier
         for (long i = 0; i < n && !failed; i++) {  /* every thread reads the same `failed` after the barrier */
             const layer_t *L = layers + i;
-            if (!skip[2 * i]) attention_block(L, io + i, T, start, cap, h, x, q, k, v, a, o, list, p, &cos, 2 * i, &ps);
+            if (!skip[2 * i])
+                attention_block(L, i, sq, T, h, x, q, k, v, a, o, list, p, keys, &cos, 2 * i, &ps);
             if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o, &cos, 2 * i + 1, &ps);
         }
         free(list);
@@ -607,6 +634,43 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
     free(buf);
     free(xq);
     return failed ? -1 : 0;
+}
+
+/* Runs layers 0..n-1 over h [T, hidden] in place.  skip: [2n] flags (attention of layer i at 2i, MLP at
+ * 2i+1); io: [n] per-layer mask, rotary table and cache buffers; new keys/values go to slots
+ * [start, start + T) of caches with `cap` slots.  cosine_out: NULL, or [2n] that receives each computed
+ * sublayer's mean cosine of input and output (skipped ones are left as they are).  bulk: the prompt's pass,
+ * whose products of PROMPT_ROWS rows or more take prompt_gemm.c (0: every product in the T-independent row
+ * kernels).  int8: products of weights with an x16 copy take int8 activations (int8_kernels.c), except in a
+ * bulk pass's prompt kernel.  kv16: the caches hold IEEE halves (else floats).  Returns 0, or -1 when scratch
+ * memory is unavailable. */
+int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
+                          long start, long cap, float *h, float *cosine_out, int bulk, int int8, int kv16) {
+    long *seq_of = calloc((size_t)(T > 0 ? T : 1), sizeof(long));
+    if (!seq_of) return -1;
+    const long off[2] = {0, T};
+    const seqs_t sq = {1, n, off, &start, &cap, seq_of, io};
+    const int status = fused_pass(layers, skip, &sq, T, h, cosine_out, bulk, int8, kv16);
+    free(seq_of);
+    return status;
+}
+
+/* Several sequences' rounds in one pass (concurrent requests, see seqs_t): nseq sequences, rows [off[s],
+ * off[s + 1]) of h [off[nseq], hidden] being sequence s's new tokens at slots from start[s] of its caches of
+ * cap[s] slots; io: [nseq * n] (sequence by sequence, each its n layers); skip as above, for every sequence.
+ * Never the prompt kernel: each row is computed as a one-sequence pass of the row kernels computes it.  Returns 0, or -1 when scratch memory is unavailable. */
+int selfspec_fused_layers_batch(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io,
+                                long nseq, const long *off, const long *start, const long *cap, float *h,
+                                int int8, int kv16) {
+    const long T = off[nseq];
+    long *seq_of = malloc((size_t)(T > 0 ? T : 1) * sizeof(long));
+    if (!seq_of) return -1;
+    for (long s = 0; s < nseq; s++)
+        for (long t = off[s]; t < off[s + 1]; t++) seq_of[t] = s;
+    const seqs_t sq = {nseq, n, off, start, cap, seq_of, io};
+    const int status = fused_pass(layers, skip, &sq, T, h, NULL, 0, int8, kv16);
+    free(seq_of);
+    return status;
 }
 
 /* Copies cache slots src[i] to slots dst + i (i < n) in each of nbuf buffers of [heads[b], cap, dims[b]] entries of

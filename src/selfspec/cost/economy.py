@@ -19,13 +19,15 @@ three measured ingredients:
   alternative leaves).
 
 One economy lives as long as its :class:`~selfspec.Session`, so what it learns
-carries over between prompts.
+carries over between prompts.  In a batch of concurrent requests a token is worth the round's time shared
+by its sequences, and verified rows cost what they add beside the others' (:mod:`.batch_share`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import batch_share
 from .costs import CostProfile
 
 
@@ -93,7 +95,17 @@ class Economy:
             self.draft_ms = draft_ms_predicted
 
     def verify_ms(self, tokens: int) -> float:
-        return self.verify_scale * self.profile.forward(tokens)
+        """A verification over ``tokens`` rows; in a batch of concurrent requests (:mod:`.batch_share`) what
+        those rows add beside the others' (the same for one row, so plain rounds keep their price)."""
+        beside, forward = batch_share.current().rows_beside, self.profile.forward
+        if beside == 0:
+            return self.verify_scale * forward(tokens)
+        return self.verify_scale * (forward(beside + tokens) - forward(beside + 1) + forward(1))
+
+    @property
+    def token_ms(self) -> float:
+        """What a token is worth: a round's time per token, shared by the sequences of a batch."""
+        return self.ms_per_token / batch_share.current().members
 
     def drafting_loses(self, rounds: int = 4) -> bool:
         """Whether drafting rounds, as measured over at least ``rounds`` of them, earn fewer tokens per unit
@@ -111,7 +123,7 @@ class Economy:
     def worth_drafting(self) -> bool:
         """Before a round: does a first draft token pay for itself (one draft step + one more verified token)?"""
         a = 0.5 if self.first_token_acceptance is None else self.first_token_acceptance
-        return a * self.ms_per_token >= self.draft_ms + self.verify_ms(2) - self.verify_ms(1)
+        return a * self.token_ms >= self.draft_ms + self.verify_ms(2) - self.verify_ms(1)
 
     def worth_another_draft(self, path_prob: float, next_acceptance: float, tree_size: int, horizon: int = 16) -> bool:
         """Draft on, the chain so far being kept with ``path_prob`` and each next token with ``next_acceptance``?
@@ -127,13 +139,13 @@ class Economy:
             keep *= next_acceptance
             gain += keep
             cost = h * self.draft_ms + self.verify_ms(tree_size + h) - base
-            if gain * self.ms_per_token >= cost:
+            if gain * self.token_ms >= cost:
                 return True
         return False
 
     def worth_leaf(self, gain: float, tree_size: int) -> bool:
         """Verify one more leaf, expected to earn ``gain`` tokens?"""
-        return gain * self.ms_per_token >= self.verify_ms(tree_size + 1) - self.verify_ms(tree_size)
+        return gain * self.token_ms >= self.verify_ms(tree_size + 1) - self.verify_ms(tree_size)
 
     # -- learning ----------------------------------------------------------------------------
     def observe(
@@ -162,7 +174,7 @@ class Economy:
                 plain = self.plain_round_ms or self.verify_scale * self.profile.forward(1)
                 self.draft_gain = _ema(self.draft_gain, tokens * plain / round_ms, self.GAIN_SMOOTHING)
                 self.draft_rounds += 1
-        predicted = self.profile.forward(verified)
+        predicted = self.profile.forward(batch_share.current().rows_beside + verified)  # the pass it ran in
         if predicted > 0 and verify_ms > 0:
             self.verify_scale = _ema(self.verify_scale, verify_ms / predicted, w)
         if first_kept is not None:

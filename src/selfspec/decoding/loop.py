@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -37,9 +38,10 @@ from ..core.prefix_store import PrefixStore
 from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.skipset import SkipSet
 from ..errors import InvalidInputError, SelfspecError
-from ..model.engine import SublayerCosine
+from ..model.engine import BatchItem, SublayerCosine
 from ..model.models import Model
 from .acceptance import accept_greedy, accept_sampling
+from .batch import StepBatcher
 from .protocols import Drafter, DraftOutcome, RoundContext, SkipPolicy
 from .stats import GenerationStats
 from .trees import DraftTree
@@ -197,6 +199,7 @@ class Decoder:
         prefill: Prefill | None = None,
         sampling: SamplingParams = GREEDY,
         prefix_store: PrefixStore | None = None,
+        batcher: StepBatcher | None = None,
     ) -> None:
         check_lengths(model, len(prompt_ids), max_new_tokens)
         if skip_policy is not None and draft_policy is None:
@@ -206,6 +209,9 @@ class Decoder:
         self.skip_policy, self.drafter = skip_policy, draft_policy
         self.prefix_store = prefix_store if prefill is None else None  # a given prefill is its caller's
         self._reused = 0
+        # the verification pass: on its own, or in a batch with concurrent decodings (decoding/batch.py)
+        self._forward = partial(engine_pass, model.engine) if batcher is None else batcher.forward
+        self._batcher = batcher
         if prefill is not None:
             if prefill.prompt_ids != tuple(prompt_ids):
                 raise ValueError("the prefill is of another prompt")
@@ -227,6 +233,13 @@ class Decoder:
         return self.skip_policy is not None and getattr(self.skip_policy, "needs_cosine", False)
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self._batcher is None:
+            yield from self._rounds()
+            return
+        with self._batcher.member():  # left when the decoding ends or its consumer closes it
+            yield from self._rounds()
+
+    def _rounds(self) -> Iterator[list[int]]:
         t_start = clock.now()
         pf, token = self._prefill()
         cache, N, eos = pf.cache, self.max_new_tokens, self.model.eos_token_ids
@@ -329,12 +342,13 @@ class Decoder:
         engine = self.model.engine
         if tree is None or len(tree) == 1:
             ids = torch.tensor([token], dtype=torch.long, device=engine.device)
-            logits = engine.forward(cache, ids, c, last_only=True)  # [1, V]
+            item = BatchItem(cache, ids, c, last_only=True)  # logits [1, V]
         else:
             ids = torch.tensor(tree.tokens, dtype=torch.long, device=engine.device)
             mask = tree.attention_mask(engine.device)
             positions = tree.positions(c, engine.device) if mask is not None else None
-            logits = engine.forward(cache, ids, c, positions=positions, tree_mask=mask)  # [T, V]
+            item = BatchItem(cache, ids, c, positions=positions, tree_mask=mask)  # [T, V]
+        logits = self._forward(item)
         check_finite(logits, "verification")
         return logits
 
@@ -402,6 +416,12 @@ class Decoder:
             sources=self.drafter.source_stats() if hasattr(self.drafter, "source_stats") else None,
             reused_tokens=self._reused,
         )
+
+
+def engine_pass(engine, item: BatchItem) -> torch.Tensor:
+    """One sequence's verification pass on its own."""
+    return engine.forward(item.cache, item.input_ids, item.start, positions=item.positions,
+                          tree_mask=item.tree_mask, last_only=item.last_only)  # fmt: skip
 
 
 def _until_stop(new: list[int], eos: frozenset[int], room: int) -> list[int]:

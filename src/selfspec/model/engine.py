@@ -12,6 +12,8 @@ Nothing here knows HF internals; :mod:`selfspec.adapters` does.
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +28,31 @@ from ..core.skipset import NO_SKIP, SkipSet
 HEAD_ROWS = 8  # rows per LM-head product when only the argmax is wanted
 
 
+def _exclusive(method):
+    """One pass at a time on an engine: concurrent decodings (a server's slots, each in its thread) share its
+    weights, native scratch and draft vocabulary; their passes take turns, or run together via
+    :meth:`Engine.forward_batch`."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's full-model pass in :meth:`Engine.forward_batch`, as :meth:`Engine.forward` takes it."""
+
+    cache: KVCache
+    input_ids: torch.Tensor  # [T]
+    start: int
+    positions: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    last_only: bool = False
+
+
 @dataclass(frozen=True)
 class SublayerCosine:
     """Mean over positions of cos(h_before, h_after) per layer (0-based)."""
@@ -37,6 +64,7 @@ class SublayerCosine:
 class Engine:
     def __init__(self, adapter: LlamaAdapter) -> None:
         self.adapter = adapter
+        self._lock = threading.RLock()
         self.num_layers = adapter.num_layers
         self.device = adapter.device
         self._windows = adapter.windows
@@ -69,6 +97,7 @@ class Engine:
         :func:`selfspec.core.quant.kv_cache_dtype` says (halves in the int8 speed mode)."""
         return KVCache(self.num_layers, capacity, quant.kv_cache_dtype() if self.fused else None)
 
+    @_exclusive
     @torch.inference_mode()
     def forward(
         self,
@@ -147,6 +176,32 @@ class Engine:
         return self._head(self._module_pass(h, cache, start, skip, ropes, masks, cosine_out), last_only, argmax_only,
                           draft, subset)  # fmt: skip
 
+    @_exclusive
+    @torch.inference_mode()
+    def forward_batch(self, items: list[BatchItem]) -> list[torch.Tensor]:
+        """Full-model passes of several sequences (concurrent requests' rounds) at once: the logits of each
+        item, as :meth:`forward` gives them for it alone, bit for bit.  On the fused stack one native pass reads
+        the weights once for all rows and one head product scores them; elsewhere the items run in turn."""
+        if not self.fused or len(items) == 1 or quant.bulk_active():
+            return [self.forward(it.cache, it.input_ids, it.start, positions=it.positions, tree_mask=it.tree_mask,
+                                 last_only=it.last_only) for it in items]  # fmt: skip
+        clock.charge(self, sum(it.input_ids.shape[0] for it in items), skip=NO_SKIP, precision=None)
+        adapter, hs, masks, ropes = self.adapter, [], [], []
+        for it in items:
+            T = it.input_ids.shape[0]
+            positions = it.positions if it.positions is not None else torch.arange(it.start, it.start + T,
+                                                                                   device=self.device)  # fmt: skip
+            if self.draft_vocab is not None:
+                self.draft_vocab.add(it.input_ids)
+            hs.append(adapter.embed(it.input_ids.view(1, T)))
+            ropes.append(adapter.rotary(hs[-1], positions.view(1, T)))
+            masks.append(self._masks(it.start, positions, it.tree_mask, it.start))
+        outs = self._fused.run_batch(hs, caches=[it.cache for it in items], starts=[it.start for it in items],
+                                     masks=masks, ropes=ropes, skip=NO_SKIP)  # fmt: skip
+        rows = [h[:, -1:] if it.last_only else h for h, it in zip(outs, items, strict=True)]
+        logits = self._head(torch.cat(rows, dim=1), False, False)  # one head product for every row
+        return list(torch.split(logits, [r.shape[1] for r in rows]))
+
     def _module_pass(self, h: torch.Tensor, cache: KVCache, start: int, skip: SkipSet, ropes, masks,
                      cosine_out: list | None) -> torch.Tensor:  # fmt: skip
         """The decoder layers as torch modules (no fused stack): ``h`` [1, T, H] through every kept sublayer,
@@ -189,6 +244,7 @@ class Engine:
             return torch.cat([adapter.head(h[:, i : i + HEAD_ROWS])[0].argmax(-1) for i in range(0, rows, HEAD_ROWS)])
         return adapter.head(h)[0]  # [T, V]
 
+    @_exclusive
     def forward_train(
         self,
         prefix: KVCache,

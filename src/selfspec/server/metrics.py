@@ -1,5 +1,6 @@
 """Server metrics in Prometheus' text format (``GET /metrics``): requests, errors, queue, speed, acceptance,
-queue wait and time to first token (summaries: sum and count), the prefix store's hits and reused tokens."""
+queue wait and time to first token (summaries: sum and count), the prefix store's hits and reused tokens, and
+the batches of concurrent requests' verification passes (passes, sequences and rows in them)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from collections import Counter
 
 
 class Metrics:
-    def __init__(self, prefix_store=None) -> None:
+    def __init__(self, prefix_store=None, batcher=None) -> None:
         self._lock = threading.Lock()
         self.prefix_store = prefix_store  # a PrefixStore whose counters are reported (None: none)
+        self.batcher = batcher  # a StepBatcher whose passes are reported (None: one request at a time)
         self.waits: list[float] = [0.0, 0]  # sum of seconds, count
         self.first_tokens: list[float] = [0.0, 0]
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status)
@@ -98,6 +100,16 @@ class Metrics:
                 ("prefix_cache_max_bytes", "gauge", "The prefix cache's memory bound.", store.max_bytes),
                 ("prefix_cache_evictions_total", "counter", "Sequences evicted from the prefix cache.",
                  store.evictions),
+            ]  # fmt: skip
+        if self.batcher is not None:
+            batches = self.batcher.stats
+            gauges += [
+                ("batch_passes_total", "counter", "Verification passes run for concurrent requests together.",
+                 batches.passes),
+                ("batch_sequences_total", "counter", "Requests' rounds in those passes (over passes: the mean "
+                 "batch size).", batches.sequences),
+                ("batch_rows_total", "counter", "Token rows verified in those passes.", batches.rows),
+                ("batch_members", "gauge", "Requests decoding together now.", self.batcher.members),
             ]  # fmt: skip
         for name, kind, help_text, value in gauges:
             metric = f"selfspec_{name}"

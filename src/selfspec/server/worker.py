@@ -1,8 +1,11 @@
-"""The generation worker: one model, one generation at a time, from a bounded queue, in arrival order.
+"""The generation worker: one model, up to ``parallel`` generations at a time, from a bounded queue, in arrival
+order.
 
-A :class:`Job` is queued by a request handler and decoded by the worker's
-thread; the pieces of text it produces are handed to the handler's event loop
-as they are accepted (streamed, or gathered for a plain response).  A job whose
+A :class:`Job` is queued by a request handler and decoded by one of the worker's
+slots (a thread each); the pieces of text it produces are handed to the handler's event loop
+as they are accepted (streamed, or gathered for a plain response).  With several slots, the generations
+running at the same time verify their rounds in one batched pass (:mod:`selfspec.decoding.batch`): a
+request joins the batch when a slot takes it and leaves when it ends; its output is the one it gets alone.  A job whose
 client went away is cancelled: its generation stops at the next round.  When
 the queue is full, :meth:`Worker.submit` refuses at once (the server answers
 429 with Retry-After) rather than building an unbounded backlog.
@@ -13,10 +16,10 @@ none): a request that extends an earlier one (a chat's next turn resends the con
 new tokens, with the output a whole prefill gives.
 
 Learned state (SWIFT's skip sets and optimiser, what the drafters learned)
-lives in one :class:`~selfspec.Session` per method for as long as the server
-runs; with ``state_path``, SWIFT's state is loaded at start, saved after every
-request (atomically, by the policy) and at shutdown.  An unreadable state file
-is set aside with a warning, and the server starts fresh.
+lives in one :class:`~selfspec.Session` per method and slot for as long as the server
+runs; with ``state_path``, the first slot's SWIFT state is loaded at start, saved after every
+request (atomically, by the policy) and at shutdown (the other slots learn their own, not saved).  An
+unreadable state file is set aside with a warning, and the server starts fresh.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from typing import Any
 from ..api import Session
 from ..core.prefix_store import DEFAULT_MB, PrefixStore, inexact_reason
 from ..core.sampling import SamplingParams
+from ..cost.costs import CostProfile
+from ..decoding.batch import StepBatcher
 from ..errors import SelfspecError
 from ..model.models import Model
 from .metrics import Metrics
@@ -68,6 +73,17 @@ class QueueFull(Exception):
     pass
 
 
+MAX_PARALLEL = 16
+PARALLEL_COST = 1.5  # the default batch: as many sequences as a pass runs within this factor of a one-row pass
+
+
+def default_parallel(profile: CostProfile) -> int:
+    """Slots for this machine: the largest of 1, 2, 4 whose one-row-each batch costs at most PARALLEL_COST
+    one-row passes (a pass bound by reading the weights runs a few rows for little more than one)."""
+    one = profile.forward(1)
+    return max(n for n in (1, 2, 4) if profile.forward(n) <= PARALLEL_COST * one)
+
+
 class StopScanner:
     """Cuts the text at the first stop string; holds back a tail that may be the start of one."""
 
@@ -96,17 +112,23 @@ class StopScanner:
 class Worker:
     def __init__(self, model: Model, method: str, *, allowed: tuple[str, ...], queue_size: int = 8,
                  state_path: str | Path | None = None, options: dict[str, Any] | None = None,
-                 prefix_cache_mb: float = DEFAULT_MB) -> None:  # fmt: skip
+                 prefix_cache_mb: float = DEFAULT_MB, parallel: int = 1) -> None:  # fmt: skip
+        if not 1 <= parallel <= MAX_PARALLEL:
+            raise ValueError(f"parallel must be between 1 and {MAX_PARALLEL}, got {parallel}")
         self.model, self.method, self.allowed = model, method, allowed
+        self.parallel = parallel
+        self.batcher = StepBatcher(model.engine) if parallel > 1 else None
         self.options = dict(options or {})
         self.state_path = Path(state_path) if state_path else None
         self.prefix_store = PrefixStore.of_mb(prefix_cache_mb)
-        self.metrics = Metrics(self.prefix_store)
+        self.metrics = Metrics(self.prefix_store, self.batcher)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self._sessions: dict[str, Session] = {}
-        self._busy = False
+        self._sessions: list[dict[str, Session]] = [{} for _ in range(parallel)]  # per slot, by method
+        self._busy = 0
+        self._busy_lock = threading.Lock()
         self.state_loaded = False  # whether a saved state was loaded at start
-        self._thread = threading.Thread(target=self._run, name="selfspec-worker", daemon=True)
+        self._threads = [threading.Thread(target=self._run, args=(slot,), name=f"selfspec-slot-{slot}", daemon=True)
+                         for slot in range(parallel)]  # fmt: skip
         if self.state_path is not None and self.state_path.is_file() and _state_unreadable(self.state_path):
             _set_aside(self.state_path, "is not JSON")
 
@@ -122,9 +144,12 @@ class Worker:
                 self.state_loaded = existed
             except SelfspecError as exc:
                 _set_aside(self.state_path, f"cannot be used ({exc})")
-                del self._sessions[self.method]
+                del self._sessions[0][self.method]
                 self.session(self.method)
-        self._thread.start()
+        for slot in range(1, self.parallel):
+            self.session(self.method, slot)
+        for thread in self._threads:
+            thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Finish the running generation, refuse the rest, save the learned state."""
@@ -135,14 +160,16 @@ class Worker:
                 break
             if job is not None:
                 job.emit("error", (503, "the server is shutting down"))
-        self._queue.put(None)
-        self._thread.join(timeout)
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
         self.save_state()
         if self.state_path is not None:
             print(f"selfspec serve: state saved to {self.state_path}", file=sys.stderr)
 
     def save_state(self) -> None:
-        for session in self._sessions.values():
+        for session in self._sessions[0].values():
             save = getattr(session.skip_policy, "save", None)
             if save is not None:
                 try:
@@ -162,15 +189,18 @@ class Worker:
     # -- requests ------------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
-        return self._queue.qsize() + (1 if self._busy else 0)
+        return self._queue.qsize() + self._busy
 
-    def session(self, method: str) -> Session:
-        if method not in self._sessions:
+    def session(self, method: str, slot: int = 0) -> Session:
+        """The slot's session of ``method`` (made on first use; only slot 0's keeps a state file)."""
+        sessions = self._sessions[slot]
+        if method not in sessions:
             options = dict(self.options) if method == self.method else {}
-            if stateful(method, options) and self.state_path is not None:
+            if stateful(method, options) and self.state_path is not None and slot == 0:
                 options["state"] = str(self.state_path)
-            self._sessions[method] = Session(self.model, method, prefix_cache=self.prefix_store, **options)
-        return self._sessions[method]
+            sessions[method] = Session(self.model, method, prefix_cache=self.prefix_store, batcher=self.batcher,
+                                       **options)  # fmt: skip
+        return sessions[method]
 
     def submit(self, job: Job) -> None:
         try:
@@ -179,28 +209,31 @@ class Worker:
             raise QueueFull from None
         self.metrics.queue_length = self.queue_length
 
-    def _run(self) -> None:
+    def _busy_by(self, n: int) -> None:
+        with self._busy_lock:
+            self._busy += n
+        self.metrics.queue_length = self.queue_length
+
+    def _run(self, slot: int) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
-            self._busy = True
-            self.metrics.queue_length = self.queue_length
+            self._busy_by(1)
             try:
-                self._generate(job)
+                self._generate(job, slot)
             except SelfspecError as exc:
                 job.emit("error", (400, str(exc)))
             except Exception as exc:  # a bug must not kill the worker: answer 500 and go on
                 job.emit("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
             finally:
-                self._busy = False
-                self.metrics.queue_length = self.queue_length
+                self._busy_by(-1)
 
-    def _generate(self, job: Job) -> None:
+    def _generate(self, job: Job, slot: int = 0) -> None:
         if job.cancel.is_set():
             return
         self.metrics.observe_wait(time.perf_counter() - job.queued_at)
-        session = self.session(job.method)
+        session = self.session(job.method, slot)
         scanner = StopScanner(job.stops)
         pieces = session.pieces(job.prompt, max_new_tokens=job.max_tokens, sampling=job.sampling)
         stopped, tokens = False, 0

@@ -1,0 +1,118 @@
+"""Concurrent decodings verified together: the batch stage of a server with several slots.
+
+Each request decodes in its own thread with the ordinary loop (:class:`selfspec.decoding.loop.Decoder`); its
+drafts and its prompt's prefill run alone, one pass at a time on the shared engine.  Its verification pass
+instead goes through a :class:`StepBatcher`: the pass waits until every decoding registered with the batcher
+has its own verification ready (or has left), and one of them then runs all of them in one
+:meth:`~selfspec.model.engine.Engine.forward_batch`: the weights are read once for every row.  A request joins
+between rounds (its first verification meets the others' next one) and leaves when it ends or its client
+goes away, so the batch is continuous.
+
+Outputs do not depend on the company: ``forward_batch`` gives each sequence's rows bit for bit what a pass of
+its own gives, so greedy and seeded sampling produce per request the tokens it gets alone.  After each round
+the batch's shape is recorded for the thread (:mod:`selfspec.cost.batch_share`), where the drafters'
+economies price the next draft by it.
+
+Run it as a server does: ``selfspec serve --parallel 4`` (see :mod:`selfspec.server.worker`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cost import batch_share
+from ..model.engine import BatchItem, Engine
+
+
+@dataclass
+class _Request:
+    item: BatchItem
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    share: batch_share.Share = field(default_factory=batch_share.Share)
+
+
+@dataclass
+class BatchStats:
+    """What the batcher did: passes run, sequences and rows they held (for /metrics)."""
+
+    passes: int = 0
+    sequences: int = 0
+    rows: int = 0
+
+    @property
+    def mean_sequences(self) -> float:
+        return self.sequences / self.passes if self.passes else 0.0
+
+
+class StepBatcher:
+    """Verification passes of the decodings registered with :meth:`member`, run together (module docstring)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._members = 0
+        self._pending: list[_Request] = []
+        self._running = False
+
+    @property
+    def members(self) -> int:
+        return self._members
+
+    @contextmanager
+    def member(self) -> Iterator[None]:
+        """The calling thread's decoding takes part in the batches while inside this block."""
+        with self._cond:
+            self._members += 1
+        try:
+            yield
+        finally:
+            batch_share.reset()
+            with self._cond:
+                self._members -= 1
+                self._cond.notify_all()  # the others may all be waiting for this one
+
+    def forward(self, item: BatchItem) -> torch.Tensor:
+        """The logits of ``item``'s full-model pass, computed in the next batch (see the module docstring)."""
+        req = _Request(item)
+        with self._cond:
+            if self._members <= 0:
+                raise RuntimeError("StepBatcher.forward outside a member() block")
+            self._pending.append(req)
+            self._cond.notify_all()
+            while req.logits is None and req.error is None:
+                if not self._running and len(self._pending) >= self._members:
+                    self._run_locked()
+                else:
+                    self._cond.wait()
+        batch_share.record(req.share)
+        if req.error is not None:
+            raise req.error
+        return req.logits
+
+    def _run_locked(self) -> None:
+        """Runs every pending request in one pass; called with the condition held, released during the pass."""
+        batch, self._pending, self._running = self._pending, [], True
+        rows = [r.item.input_ids.shape[0] for r in batch]
+        self._cond.release()
+        try:
+            outs = self.engine.forward_batch([r.item for r in batch])
+            for r, n, logits in zip(batch, rows, outs, strict=True):
+                r.share = batch_share.Share(len(batch), sum(rows) - n)
+                r.logits = logits
+        except BaseException as exc:  # every waiting decoding hears of it, not only this thread
+            for r in batch:
+                r.error = exc
+        finally:
+            self._cond.acquire()
+            self._running = False
+            self.stats.passes += 1
+            self.stats.sequences += len(batch)
+            self.stats.rows += sum(rows)
+            self._cond.notify_all()

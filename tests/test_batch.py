@@ -1,0 +1,139 @@
+"""Concurrent requests decoded together (decoding/batch.py, Engine.forward_batch): each sequence's logits in a
+batched pass are bit for bit its logits alone; decodings sharing a batcher give, per request, the tokens they
+give alone (greedy and seeded sampling; mixed methods and lengths; one consumer leaving early); a draft is
+priced by the batch it runs in."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from selfspec.api import Session
+from selfspec.core.sampling import SamplingParams
+from selfspec.cost import batch_share
+from selfspec.cost.costs import CostProfile, DraftCosts
+from selfspec.cost.economy import Economy
+from selfspec.decoding.batch import StepBatcher
+from selfspec.model.engine import BatchItem
+from selfspec.server.worker import default_parallel
+
+PROMPTS = ["The capital of France is", "def reverse(xs):\n    return", "Once upon a time, in a land far away,",
+           "List three colours: red, green,"]  # fmt: skip
+
+
+def _prefilled(model, prompt: str, room: int = 24):
+    engine = model.engine
+    ids = torch.tensor(model.encode(prompt))
+    cache = engine.new_cache(len(ids) + room)
+    engine.forward(cache, ids, 0, prefill=True)
+    cache.commit(len(ids))
+    return cache
+
+
+def _copy(engine, cache):
+    twin = engine.new_cache(cache.capacity)
+    twin.load_prefix(cache.prefix(cache.length), cache.length)
+    return twin
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_batched_pass_gives_each_sequence_its_logits_alone(name, request):
+    model = request.getfixturevalue(name)
+    engine = model.engine
+    assert engine.fused, "the batched native pass is what this tests"
+    caches = [_prefilled(model, p) for p in PROMPTS[:3]]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+    items = [
+        lambda c: BatchItem(c, torch.tensor([42]), c.length, last_only=True),  # a plain step
+        lambda c: BatchItem(c, torch.tensor([5, 6, 7, 8]), c.length),  # a chain of drafts
+        lambda c: BatchItem(c, torch.tensor([9, 10, 11]), c.length, tree_mask=tree,
+                            positions=torch.tensor([c.length, c.length + 1, c.length + 1])),  # fmt: skip
+    ]
+    alone = [engine.forward(it.cache, it.input_ids, it.start, positions=it.positions, tree_mask=it.tree_mask,
+                            last_only=it.last_only)
+             for it in (make(_copy(engine, c)) for make, c in zip(items, caches, strict=True))]  # fmt: skip
+    batched_caches = [_copy(engine, c) for c in caches]
+    together = engine.forward_batch([make(c) for make, c in zip(items, batched_caches, strict=True)])
+    for a, b in zip(alone, together, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    # the keys and values written are the ones a pass alone writes
+    twin = _copy(engine, caches[1])
+    engine.forward(twin, torch.tensor([5, 6, 7, 8]), twin.length)
+    for layer in range(engine.num_layers):
+        k1, v1 = twin.layer(layer, twin.length + 4)
+        k2, v2 = batched_caches[1].layer(layer, twin.length + 4)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def _run_together(model, jobs, batcher):
+    """Each job (method, prompt, max_new_tokens, sampling, stop_after) in its own thread, sessions sharing the
+    batcher; stop_after: close the stream after that many pieces (a client leaving), None: run to the end."""
+    results: dict[int, tuple[int, ...] | str] = {}
+    start = threading.Barrier(len(jobs))
+
+    def run(i, method, prompt, n, sampling, stop_after):
+        session = Session(model, method, prefix_cache=0, batcher=batcher)
+        start.wait()
+        pieces = session.pieces(prompt, max_new_tokens=n, sampling=sampling)
+        for k, _ in enumerate(pieces):
+            if stop_after is not None and k + 1 >= stop_after:
+                pieces.close()
+                results[i] = "left"
+                return
+        results[i] = session.last_result.token_ids
+
+    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not any(t.is_alive() for t in threads), "a decoding waited for ever"
+    return results
+
+
+@pytest.mark.slow
+def test_concurrent_decodings_give_each_request_its_tokens_alone(smollm2):
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    jobs = [("vanilla", PROMPTS[0], 24, SamplingParams(), None), ("pld", PROMPTS[1], 40, SamplingParams(), None),
+            ("asd", PROMPTS[2], 32, SamplingParams(), None), ("auto", PROMPTS[3], 16, seeded, None),
+            ("swift", PROMPTS[1], 20, SamplingParams(), None), ("vanilla", PROMPTS[2], 48, SamplingParams(), 3),
+            ("pld", PROMPTS[0], 48, seeded, None)]  # fmt: skip
+    alone = {i: Session(smollm2, m, prefix_cache=0).generate(
+                 p, max_new_tokens=n, temperature=s.temperature, top_p=s.top_p, seed=s.seed).token_ids
+             for i, (m, p, n, s, stop) in enumerate(jobs) if stop is None}  # fmt: skip
+    batcher = StepBatcher(smollm2.engine)
+    together = _run_together(smollm2, jobs, batcher)
+    assert together.pop(5) == "left"
+    assert together == alone
+    stats = batcher.stats
+    assert stats.passes > 0 and stats.sequences > stats.passes, "rounds of several requests ran in one pass"
+    assert batcher.members == 0, "every decoding left the batch"
+
+
+def _profile(forward_ms: dict[int, float]) -> CostProfile:
+    return CostProfile("hand-written", forward_ms, {"same": DraftCosts(0.1, 0.3, 0.5, 1.0)}, 4)
+
+
+def test_a_draft_is_priced_by_the_batch_it_runs_in():
+    # a pass costs 10 ms for up to 4 rows, then 2 ms per further row
+    economy = Economy(_profile({1: 10.0, 4: 10.0, 8: 18.0, 16: 34.0}), draft_ms_predicted=1.0)
+    try:
+        assert economy.verify_ms(4) - economy.verify_ms(1) == 0.0  # alone: three more rows are free
+        assert economy.token_ms == economy.ms_per_token
+        batch_share.record(batch_share.Share(members=4, rows_beside=6))
+        assert economy.verify_ms(1) == 10.0  # a plain round keeps its price
+        assert economy.verify_ms(4) - economy.verify_ms(1) == pytest.approx(6.0)  # beside 6 rows: 2 ms each
+        assert economy.token_ms == pytest.approx(economy.ms_per_token / 4)  # a round's time is shared by 4
+        assert economy.worth_leaf(1.0, tree_size=1), "a sure token (worth 10/4 ms) pays a 2 ms row"
+        assert not economy.worth_leaf(0.7, tree_size=1), "0.7 of a token (1.75 ms) does not"
+    finally:
+        batch_share.reset()
+    assert economy.worth_leaf(0.7, tree_size=1), "alone, the same leaf is free"
+
+
+def test_the_default_number_of_slots_follows_the_batch_curve():
+    assert default_parallel(_profile({1: 10.0, 2: 10.5, 4: 12.0, 8: 20.0})) == 4
+    assert default_parallel(_profile({1: 10.0, 2: 14.0, 4: 22.0})) == 2
+    assert default_parallel(_profile({1: 10.0, 2: 20.0, 4: 40.0})) == 1
