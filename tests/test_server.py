@@ -84,7 +84,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server("--queue-size", "2", "--max-tokens", "512", state=tmp_path_factory.mktemp("state") / "s.json")
+    srv = Server("--queue-size", "2", "--max-tokens", "512", "--parallel", "1",
+                 state=tmp_path_factory.mktemp("state") / "s.json")  # fmt: skip
     yield srv
     srv.stop()
 
@@ -310,3 +311,51 @@ def test_a_second_turn_reuses_the_first_and_answers_as_a_fresh_prefill(server, s
     assert after[ttft] == before[ttft] + 1
     assert after["selfspec_queue_wait_seconds_count"] >= before["selfspec_queue_wait_seconds_count"] + 1
     assert 0 < after["selfspec_prefix_cache_bytes"] <= after["selfspec_prefix_cache_max_bytes"]
+
+
+def test_concurrent_requests_decode_together_and_answer_as_alone(smollm2):
+    """serve --parallel 3: requests of mixed methods, lengths and sampling at once, one client leaving
+    mid-stream; every answer is the one the request gets alone, and rounds of several requests shared passes."""
+    srv = Server("--parallel", "3", "--queue-size", "8", "--max-tokens", "512")
+    try:
+        prompts = ["Name three colours.", "Write a haiku about the sea.", "What is 12 times 7?",
+                   "List the planets of the solar system."]  # fmt: skip
+        jobs = [(prompts[0], "vanilla", 40, {}), (prompts[1], "pld", 56, {}), (prompts[2], "asd", 24, {}),
+                (prompts[3], "auto", 48, {"temperature": 0.8, "top_p": 0.95, "seed": 5}),
+                (prompts[1], "swift", 32, {})]  # fmt: skip
+        alone = [selfspec.generate(smollm2, [{"role": "user", "content": p}], "vanilla", max_new_tokens=n,
+                                   **kw).text for p, _, n, kw in jobs]  # fmt: skip
+        client = srv.client(max_retries=0)
+        got: dict[int, str] = {}
+
+        def one(i: int) -> None:
+            p, method, n, kw = jobs[i]
+            out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=n,
+                                                 temperature=kw.get("temperature", 0), top_p=kw.get("top_p", 1.0),
+                                                 seed=kw.get("seed"), extra_body={"selfspec": {"method": method}})
+            got[i] = out.choices[0].message.content
+
+        def leaver() -> None:  # streams a long answer and hangs up after a few chunks
+            body = json.dumps({"messages": CHAT, "max_tokens": 400, "temperature": 0, "stream": True}).encode()
+            req = urllib.request.Request(f"{srv.url}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as r:
+                for _ in range(6):
+                    r.readline()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+        threads.append(threading.Thread(target=leaver))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert got == dict(enumerate(alone)), "each request's answer is its answer alone"
+        deadline = time.time() + 30
+        while get(f"{srv.url}/health")["queue"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert get(f"{srv.url}/health")["queue"] == 0, "the client that left stopped its generation"
+        m = _metrics(srv)
+        assert m["selfspec_batch_members"] == 0
+        assert m["selfspec_batch_sequences_total"] > m["selfspec_batch_passes_total"] > 0, "requests shared passes"
+    finally:
+        srv.stop()

@@ -108,12 +108,15 @@ def skip_reason(model, options: dict[str, Any]) -> str | None:
 
 
 class _Server:
-    def __init__(self, binary: Path, gguf: Path, threads: int, context: int, spec: str = "") -> None:
+    """A llama-server on a free loopback port (``parallel``: its slots, ``-np``; ``context``: for all of them)."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, context: int, spec: str = "",
+                 parallel: int = 1) -> None:  # fmt: skip
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-c", str(context), "--host", "127.0.0.1",
-               "--port", str(self.port), "-np", "1"] + (["--spec-type", spec] if spec else [])  # fmt: skip
+               "--port", str(self.port), "-np", str(parallel)] + (["--spec-type", spec] if spec else [])  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

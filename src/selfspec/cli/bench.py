@@ -67,6 +67,11 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help="2: second turns of two-turn questions (spec-bench's MT-bench category, or mtbench) as a "
                    "server sees them, each method with its prefix cache and without: time to first token and "
                    "tokens/s (default 1: first turns, every prompt prefilled whole)")  # fmt: skip
+    p.add_argument("--clients", type=int, default=0,
+                   help="load test: this many concurrent clients against `selfspec serve --parallel CLIENTS` (and "
+                   "llama-server -np CLIENTS with llamacpp among the methods), beside one client and --parallel 1; "
+                   "see selfspec.bench.load")  # fmt: skip
+    p.add_argument("--requests", type=int, default=8, help="load test: requests per client (default 8)")
     p.add_argument("--methods", default="vanilla,asd", help='method specs, e.g. "vanilla,asd,hf" (see below)')
     add_sampling_args(p, seed_help="sampling seed; prompt i uses seed + i (default 0)", seed_default=0)
     p.add_argument("--out", type=Path, help="output directory (default runs/bench-<timestamp>)")
@@ -117,6 +122,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         ("--warmup", args.warmup, 0),
         ("--offset", args.offset, 0),
         ("--window", args.window, 1),
+        ("--clients", args.clients, 0),
+        ("--requests", args.requests, 1),
     ):
         if value < low:
             raise InvalidInputError(f"{name} must be >= {low}, got {value}")
@@ -166,6 +173,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         os.environ[ENV] = args.llama_cpp  # where the llamacpp peer looks first (after its own bin= option)
     if args.turns == 2:
         return _bench_turns(args, methods, names, started, out_dir, console)
+    if args.clients:
+        return _bench_load(args, methods, names, started, out_dir, console)
     model = load_model(args)
     chat = model.has_chat_template
     prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=chat, offset=args.offset,
@@ -233,3 +242,59 @@ def _bench_turns(args: argparse.Namespace, methods, names: list[str], started, o
         sys.stdout.write(dumps({"meta": meta, "methods": summary}) + "\n")
         sys.stdout.flush()
     return 0 if all(s["identical"] for s in summary.values()) else 1
+
+
+MODEL_OPTIONS = ("model", "device", "dtype", "kernels", "quantize", "prefill_dtype", "activations")
+
+
+def _bench_load(args: argparse.Namespace, methods, names: list[str], started, out_dir: Path, console) -> int:
+    """``--clients N`` (see :mod:`selfspec.bench.load`)."""
+    import torch
+
+    from ..bench import load
+    from ..bench.llamacpp import find_binary, gguf_file
+    from ..bench.report import dumps
+    from ..bench.system import machine_info
+    from ..datasets import load_prompts
+
+    if args.stream or len(names) != 1:
+        raise InvalidInputError("--clients takes one --dataset, not --stream")
+    if args.turns != 1 or not sampling_params(args).greedy:
+        raise InvalidInputError("--clients runs greedy first turns (no --turns 2, no sampling options)")
+    model = load_model(args)  # its errors before any server starts; its tokenizer says chat or text
+    prompts = load_prompts(names[0], limit=args.limit, chat=model.has_chat_template, offset=args.offset,
+                           categories=_categories(args, names[0]))  # fmt: skip
+    work = load.split_work(prompts, args.clients, args.requests)
+    model_args = [a for opt in MODEL_OPTIONS if (v := getattr(args, opt, None)) is not None
+                  for a in (f"--{opt.replace('_', '-')}", str(v))]  # fmt: skip
+    progress = (lambda what: None) if args.no_progress else (lambda what: console.print(f"  {what}", highlight=False))
+    console.print(f"selfspec bench: {model.name}, {args.clients} clients x {args.requests} requests, "
+                  f"{args.max_new_tokens} new tokens each", highlight=False)  # fmt: skip
+    runs = []
+    for method in methods:
+        if method.name == "llamacpp":
+            binary = find_binary(method.options.get("bin"))
+            if binary is None:
+                console.print("  llamacpp: no llama-server found (--llama-cpp PATH); skipped", highlight=False)
+                continue
+            context = min(model.max_context, 4096)
+            threads = int(method.options.get("threads", args.threads or torch.get_num_threads()))
+            runs += load.bench_llamacpp(binary, gguf_file(model, method.options.get("gguf")), threads, context, work,
+                                        args.max_new_tokens, progress)  # fmt: skip
+        elif method.is_peer or method.options:
+            raise InvalidInputError(f"--clients serves our methods by name (and llamacpp), not '{method.label}'")
+        else:
+            runs += load.bench_method(method.name, model_args, work, args.max_new_tokens, model.name, progress)
+    result = {"meta": {"dataset": names[0], "clients": args.clients, "requests": args.requests,
+                       "max_new_tokens": args.max_new_tokens, "command": _command_line(args),
+                       "date": started.isoformat(timespec="seconds"), "machine": machine_info()},
+              **load.compare(runs)}  # fmt: skip
+    path = load.write(result, out_dir)
+    load.print_table(result["runs"], console)
+    console.print(f"outputs: {path}", highlight=False)
+    if args.json:
+        sys.stdout.write(dumps(result) + "\n")
+        sys.stdout.flush()
+    identical = all(r.get("identical", "1/1").split("/")[0] == r.get("identical", "1/1").split("/")[1]
+                    for r in result["runs"])  # fmt: skip
+    return 0 if identical and not any(r["errors"] for r in result["runs"]) else 1
