@@ -617,11 +617,14 @@ def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     whose -128 * scale the kernel computes)."""
     n, k, g = w.out_features, w.in_features, w.group
     groups = k // g
-    if w.fmt == "q4":
-        raw = w.codes.numpy().reshape(n // 16, 16, groups, 4, 4)
-    else:
-        raw = (w.codes.numpy().view(np.uint8) ^ np.uint8(0x80)).reshape(n // 16, 16, groups, g // 4, 4)
-    codes = np.ascontiguousarray(raw.transpose(0, 2, 3, 1, 4))
+    j = 4 if w.fmt == "q4" else g // 4
+    raw = w.codes.numpy().view(np.uint8).reshape(n // 16, 16, groups, j, 4)
+    codes = np.empty((n // 16, groups, j, 16, 4), dtype=np.uint8)
+    # a few MB of rows at a time: the copy of a 150k-row head (130 MB) never holds a whole temporary beside it
+    step = max(1, (4 << 20) // max(1, 16 * groups * j * 4))
+    for b in range(0, n // 16, step):
+        block = raw[b : b + step] if w.fmt == "q4" else raw[b : b + step] ^ np.uint8(0x80)
+        codes[b : b + step] = block.transpose(0, 2, 3, 1, 4)
     scale = w.scale.numpy().reshape(n // 16, 16, groups)
     packed_scale = torch.from_numpy(np.ascontiguousarray(scale.transpose(0, 2, 1)))
     if w.minv is None:  # symmetric q8: the kernel computes the minimum, -128 * scale
