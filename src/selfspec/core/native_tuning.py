@@ -24,7 +24,10 @@ Knobs (the native library's setters):
   adds barrier waits (a pass has several per layer) and no bandwidth.
 
 Both are process-wide (the last loaded model's choice holds) and change no
-result, only its speed (each thread's share is computed the same way).
+result, only its speed (each thread's share is computed the same way).  What
+runs beside decoding later can change the best thread count: the thread guard
+(:mod:`selfspec.core.thread_guard`) watches the passes and falls back to one
+thread while the machine is busy.
 
 ``selfspec kernels --force`` tunes again and prints the table.
 """
@@ -38,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..io import atomic_write_text, cache_dir
-from . import clock
+from . import clock, thread_guard
 
 PREFETCH_CANDIDATES = (0, 1024, 4096, 16384)
 PREFETCH_DEFAULT = 4096
@@ -120,6 +123,7 @@ def tune_model(model, *, force: bool = False) -> list[TuneResult]:
         candidates = tuple(sorted({1, max(1, threads // 2), threads}))
         results.append(tune("pass_threads", candidates, threads, lib.selfspec_set_pass_threads, timer,
                             key=f"{key}-t{threads}", force=force))  # fmt: skip
+    thread_guard.install(lib.selfspec_set_pass_threads, results[-1].choice if threads > 1 else 1)
     return results
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,11 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
-from ..core import clock, draft_vocab, fused, kernels, quant
+from ..core import clock, draft_vocab, fused, kernels, quant, thread_guard
 from ..core.cache import KVCache
 from ..core.skipset import NO_SKIP, SkipSet
 
 HEAD_ROWS = 8  # rows per LM-head product when only the argmax is wanted
+GUARDED_ROWS = 64  # passes of at most this many rows (decoding, not a prompt's prefill) are timed for the guard
 
 
 def _exclusive(method):
@@ -168,8 +170,11 @@ class Engine:
         if self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None:
             cos = np.full(2 * self.num_layers, np.nan, dtype=np.float32) if collect else None
             prompt = prefill and quant.prefill_kernel() == "gemm"  # (the other prompt kernels never get here)
+            t0 = time.perf_counter()
             h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
                                 prompt=prompt)  # fmt: skip
+            if T <= GUARDED_ROWS:  # decoding's passes: the thread guard watches them (core/thread_guard.py)
+                thread_guard.observe((id(self), T, skip), 1000 * (time.perf_counter() - t0))
             if cos is not None:
                 cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
             return self._head(h, last_only, argmax_only, draft, subset)
@@ -196,8 +201,11 @@ class Engine:
             hs.append(adapter.embed(it.input_ids.view(1, T)))
             ropes.append(adapter.rotary(hs[-1], positions.view(1, T)))
             masks.append(self._masks(it.start, positions, it.tree_mask, it.start))
+        t0 = time.perf_counter()
         outs = self._fused.run_batch(hs, caches=[it.cache for it in items], starts=[it.start for it in items],
                                      masks=masks, ropes=ropes, skip=NO_SKIP)  # fmt: skip
+        rows_in = tuple(h.shape[1] for h in hs)
+        thread_guard.observe((id(self), rows_in), 1000 * (time.perf_counter() - t0))
         rows = [h[:, -1:] if it.last_only else h for h, it in zip(outs, items, strict=True)]
         logits = self._head(torch.cat(rows, dim=1), False, False)  # one head product for every row
         return list(torch.split(logits, [r.shape[1] for r in rows]))
