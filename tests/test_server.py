@@ -170,13 +170,18 @@ def test_bad_requests_get_openai_style_errors(server, body, status, words):
     assert words in error["message"] and error["type"]
 
 
-def test_a_client_that_leaves_mid_stream_stops_its_generation(server):
-    body = json.dumps({"messages": CHAT, "max_tokens": 500, "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(f"{server.url}/v1/chat/completions", data=body,
+def _stream_and_hang_up(url: str, max_tokens: int) -> None:
+    """Streams a long chat answer and closes the connection after a few chunks."""
+    body = json.dumps({"messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=60) as r:
         for _ in range(6):
             r.readline()
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation(server):
+    _stream_and_hang_up(server.url, 500)
     deadline = time.time() + 20
     while get(f"{server.url}/health")["queue"] and time.time() < deadline:
         time.sleep(0.2)
@@ -335,16 +340,8 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(smollm2):
                                                  seed=kw.get("seed"), extra_body={"selfspec": {"method": method}})
             got[i] = out.choices[0].message.content
 
-        def leaver() -> None:  # streams a long answer and hangs up after a few chunks
-            body = json.dumps({"messages": CHAT, "max_tokens": 400, "temperature": 0, "stream": True}).encode()
-            req = urllib.request.Request(f"{srv.url}/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
-            with urllib.request.urlopen(req, timeout=60) as r:
-                for _ in range(6):
-                    r.readline()
-
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
-        threads.append(threading.Thread(target=leaver))
+        threads.append(threading.Thread(target=_stream_and_hang_up, args=(srv.url, 400)))
         for t in threads:
             t.start()
         for t in threads:

@@ -166,17 +166,9 @@ class Engine:
         h = adapter.embed(input_ids.view(1, T)) if input_embeds is None else input_embeds.view(1, T, -1)
         ropes = adapter.rotary(h, positions.view(1, T))
         masks = self._masks(start, positions, tree_mask, start if visible is None else visible)
-        collect = cosine_out is not None
         if self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None:
-            cos = np.full(2 * self.num_layers, np.nan, dtype=np.float32) if collect else None
             prompt = prefill and quant.prefill_kernel() == "gemm"  # (the other prompt kernels never get here)
-            t0 = time.perf_counter()
-            h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
-                                prompt=prompt)  # fmt: skip
-            if T <= GUARDED_ROWS:  # decoding's passes: the thread guard watches them (core/thread_guard.py)
-                thread_guard.observe((id(self), T, skip), 1000 * (time.perf_counter() - t0))
-            if cos is not None:
-                cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
+            h = self._fused_pass(h, cache, start, skip, ropes, masks, cosine_out, prompt)
             return self._head(h, last_only, argmax_only, draft, subset)
         return self._head(self._module_pass(h, cache, start, skip, ropes, masks, cosine_out), last_only, argmax_only,
                           draft, subset)  # fmt: skip
@@ -209,6 +201,21 @@ class Engine:
         rows = [h[:, -1:] if it.last_only else h for h, it in zip(outs, items, strict=True)]
         logits = self._head(torch.cat(rows, dim=1), False, False)  # one head product for every row
         return list(torch.split(logits, [r.shape[1] for r in rows]))
+
+    def _fused_pass(self, h: torch.Tensor, cache: KVCache, start: int, skip: SkipSet, ropes, masks,
+                    cosine_out: list | None, prompt: bool) -> torch.Tensor:  # fmt: skip
+        """The decoder layers in the native fused stack (timed for the thread guard when a decoding pass), the
+        mean cosines around each sublayer appended to ``cosine_out`` when it is a list."""
+        T = h.shape[1]
+        cos = np.full(2 * self.num_layers, np.nan, dtype=np.float32) if cosine_out is not None else None
+        t0 = time.perf_counter()
+        h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
+                            prompt=prompt)  # fmt: skip
+        if T <= GUARDED_ROWS:  # decoding's passes: the thread guard watches them (core/thread_guard.py)
+            thread_guard.observe((id(self), T, skip), 1000 * (time.perf_counter() - t0))
+        if cos is not None:
+            cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
+        return h
 
     def _module_pass(self, h: torch.Tensor, cache: KVCache, start: int, skip: SkipSet, ropes, masks,
                      cosine_out: list | None) -> torch.Tensor:  # fmt: skip
