@@ -68,6 +68,38 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         ds16[2 * b + 1] = d * (float)s1;
         ds32[b] = d * (float)(s0 + s1);
     }
+#elif defined(SELFSPEC_AVX2)
+    /* the same numbers again, 8 lanes at a time: the scalar loop took a tenth of the AVX2 build's step */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (long b = 0; b < K / 32; b++) {
+        __m256 a[4];
+        int nan = 0;
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
+            nan |= _mm256_movemask_ps(_mm256_cmp_ps(a[j], a[j], _CMP_UNORD_Q));
+        }
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        const float d = nan ? NAN : amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], _mm256_set1_ps(inv)));
+        /* |q| <= 127: the saturating packs are exact; they interleave 4-lane quarters, which `order` undoes */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * 32), _mm256_permutevar8x32_epi32(bytes, order));
+        __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]); /* exact integers */
+        __m256i both = _mm256_hadd_epi32(s01, s23); /* pairs: s01 in 0-1, 4-5; s23 in 2-3, 6-7 */
+        both = _mm256_hadd_epi32(both, both);       /* s01 in 0, 4; s23 in 1, 5 */
+        const int s0 = _mm256_extract_epi32(both, 0) + _mm256_extract_epi32(both, 4);
+        const int s1 = _mm256_extract_epi32(both, 1) + _mm256_extract_epi32(both, 5);
+        dx[b] = d;
+        ds16[2 * b] = d * (float)s0;
+        ds16[2 * b + 1] = d * (float)s1;
+        ds32[b] = d * (float)(s0 + s1);
+    }
 #else
     for (long b = 0; b < K / 32; b++) {
         const float *p = x + b * 32;
