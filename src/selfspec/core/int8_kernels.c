@@ -206,13 +206,37 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
 #endif
 
 #ifdef SELFSPEC_AVX2
-/* The AVX2 form of block_vnni: NB (1..BLOCK_RUN) rows of x against one block of 16 output rows, as two halves of 8 rows
- * (the first 32 bytes of a 64-byte code group hold rows 0-7, the next 32 rows 8-15).  vpmaddubsw multiplies
+/* The exact integer sums of one group for one row of x (xg: its int8 codes as 4-byte words) and 8 output rows:
+ * q4 from the group's nibbles w[8] (k = 4j + i in w[j]); q8 from its bytes c (32 bytes per 4 k, 64 apart) */
+static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8], const int32_t *xg) {
+    __m256i p = _mm256_setzero_si256(); /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
+    for (int j = 0; j < 8; j++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xg[j])));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    __m256i s = _mm256_setzero_si256(), sx = _mm256_setzero_si256();
+    for (int j = 0; j < G / 4; j++) {
+        const __m256i xb = _mm256_set1_epi32(xg[j]);
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * j)), flip);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w)),
+                                                  ones16));
+        sx = _mm256_add_epi32(sx, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16));
+    }
+    return _mm256_add_epi32(s, _mm256_slli_epi32(sx, 7)); /* back to the codes + 128 */
+}
+
+/* The AVX2 form of block_vnni: NB (1..BLOCK_RUN) rows of x against one block of 16 output rows, as two halves of
+ * 8 rows (the first 32 bytes of a 64-byte code group hold rows 0-7, the next 32 rows 8-15), one half after the
+ * other: its NB sums and a group's decoded nibbles then fit AVX2's 16 registers, and the nibbles are decoded once
+ * for all NB rows of x (a block's codes, a few KB, stay in L1 for the second half).  vpmaddubsw multiplies
  * unsigned by signed bytes and adds pairs into int16 with saturation, so each form keeps its pair sums in range:
  * q4 codes (0..15) times xq (-127..127) reach 3,810; a q8 code is stored as code + 128 (0..255), which could
  * reach 64,770, so it is taken as the signed code c (flip the top bit) whose magnitude |c| <= 128 meets xq with
  * c's sign moved onto it (pairs <= 32,512), and 128 * sum(xq) is added back: the integer sum is then exactly
- * vpdpbusd's, and the float operations are block_vnni's lane for lane, so the products are bit-identical. */
+ * vpdpbusd's, and each lane's float operations are block_vnni's in the same order, so the products are
+ * bit-identical. */
 static inline __attribute__((always_inline)) void block_avx2(const int NB, const int BITS, const long G,
                                                              const int SYM, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
@@ -220,54 +244,38 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                                                              const float *minv, const float *bias, float *y,
                                                              long ldy) {
     const long groups = K / G;
-    __m256 acc[8][2]; /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
-    for (int t = 0; t < NB; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
-    const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    const __m256i low = _mm256_set1_epi8(15);
     const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = prefetch_bytes / group_bytes; /* as block_vnni's */
-    for (long g = 0; g < groups; g++) {
-        if (ahead)
-            for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
-        const uint8_t *c = codes + g * group_bytes;
-        for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
+    for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
+        __m256 acc[8];             /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
+        for (int t = 0; t < NB; t++) acc[t] = _mm256_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            if (ahead && h == 0)
+                for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
+            const uint8_t *c = codes + g * group_bytes + 32 * h;
             const __m256 dv = _mm256_loadu_ps(scale + g * 16 + 8 * h);
             const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(-128.0f)) : _mm256_loadu_ps(minv + g * 16 + 8 * h);
+            __m256i w[8];
+            if (BITS == 4)
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
+                    w[j] = _mm256_and_si256(v, low);
+                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
             for (int t = 0; t < NB; t++) {
                 const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
-                __m256i s;
-                if (BITS == 4) { /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
-                    __m256i p = _mm256_setzero_si256();
-                    for (int j = 0; j < 4; j++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j + 32 * h));
-                        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(xg[j])));
-                        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                                                     _mm256_set1_epi32(xg[j + 4])));
-                    }
-                    s = _mm256_madd_epi16(p, ones16);
-                } else {
-                    __m256i sx = _mm256_setzero_si256();
-                    s = _mm256_setzero_si256();
-                    for (int j = 0; j < G / 4; j++) {
-                        const __m256i xb = _mm256_set1_epi32(xg[j]);
-                        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * j + 32 * h)), flip);
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w),
-                                                                                        _mm256_sign_epi8(xb, w)), ones16));
-                        sx = _mm256_add_epi32(sx, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16));
-                    }
-                    s = _mm256_add_epi32(s, _mm256_slli_epi32(sx, 7)); /* back to the codes + 128 */
-                }
+                const __m256i s = BITS == 4 ? sums_q4(w, xg) : sums_q8(G, c, xg);
                 const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
-                acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t][h]);
-                acc[t][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t][h]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t]);
+                acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t]);
             }
         }
-    }
-    for (int t = 0; t < NB; t++)
-        for (int h = 0; h < 2; h++) {
-            __m256 r = acc[t][h];
+        for (int t = 0; t < NB; t++) {
+            __m256 r = acc[t];
             if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + 8 * h));
             _mm256_storeu_ps(y + t * ldy + 8 * h, r);
         }
+    }
 }
 
 #endif
