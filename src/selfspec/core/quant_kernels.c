@@ -49,16 +49,25 @@ static inline void v_nibbles(const uint8_t *c, vec *lo, vec *hi) {
 static inline vec v_bytes(const int8_t *c) { vec r; for (int j = 0; j < LANES; j++) r.f[j] = (float)c[j]; return r; }
 #endif
 
+/* The sum of a + b's 16 lanes by a fixed tree, lanes l and l + w added for w = 8, 4, 2, 1 (the same rounding for
+ * every row and every T, and in every build; spelt out, as compilers' _mm512_reduce_add_ps need not keep it) */
 #if defined(__AVX512F__)
-/* a fixed shuffle tree (the same instructions, hence the same rounding, for every row and every T) */
-static inline float v_sum2(vec a, vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+static inline float v_sum2(vec a, vec b) {
+    const __m512 v = _mm512_add_ps(a, b);
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  /* l + l+8 */
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));            /* l + l+4 */
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                                    /* l + l+2 */
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));                                   /* l + l+1 */
+}
 #else
 static inline float v_sum2(vec a, vec b) {
-    float ta[LANES], tb[LANES], s = 0.0f;
+    float ta[LANES], tb[LANES];
     v_store(ta, a);
     v_store(tb, b);
-    for (int j = 0; j < LANES; j++) s += ta[j] + tb[j];  /* one fixed order */
-    return s;
+    for (int j = 0; j < LANES; j++) ta[j] = ta[j] + tb[j];
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) ta[l] = ta[l] + ta[l + w];
+    return ta[0];
 }
 #endif
 
