@@ -47,9 +47,10 @@ int selfspec_int8_kernels(void) {
 }
 
 /* One row of x [K] to int8 codes xq [K], block scales dx [K/32], and dx * (sum of the codes) per 16 (ds16) and
- * per 32 (ds32) elements: the minimum's term of a q8 group of 16 or of any group of 32.  A block holding a NaN
+ * per 32 (ds32) elements: the minimum's term of a q8 group of 16 or of any group of 32; xs16: the sums of the
+ * codes per 16 themselves (the AVX2 q8 products add 128 * sum to their own integer sums).  A block holding a NaN
  * gets a NaN scale and an infinite one a NaN product, so the products' outputs stay non-finite, as in fp32. */
-void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float *ds16, float *ds32) {
+void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float *ds16, float *ds32, int32_t *xs16) {
 #ifdef SELFSPEC_VNNI
     /* the same numbers as the portable loop: max is exact, vcvtps2dq rounds half to even under the default mode */
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -67,6 +68,8 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         ds16[2 * b] = d * (float)s0;
         ds16[2 * b + 1] = d * (float)s1;
         ds32[b] = d * (float)(s0 + s1);
+        xs16[2 * b] = s0;
+        xs16[2 * b + 1] = s1;
     }
 #elif defined(SELFSPEC_AVX2)
     /* the same numbers again, 8 lanes at a time: the scalar loop took a tenth of the AVX2 build's step */
@@ -99,6 +102,8 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         ds16[2 * b] = d * (float)s0;
         ds16[2 * b + 1] = d * (float)s1;
         ds32[b] = d * (float)(s0 + s1);
+        xs16[2 * b] = s0;
+        xs16[2 * b + 1] = s1;
     }
 #else
     for (long b = 0; b < K / 32; b++) {
@@ -120,6 +125,8 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         ds16[2 * b] = d * (float)sum[0];
         ds16[2 * b + 1] = d * (float)sum[1];
         ds32[b] = d * (float)(sum[0] + sum[1]);
+        xs16[2 * b] = sum[0];
+        xs16[2 * b + 1] = sum[1];
     }
 #endif
 }
@@ -128,6 +135,7 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
 typedef struct {
     const int8_t *q;
     const float *dx, *ds16, *ds32;
+    const int32_t *xs16;
 } qrows;
 
 /* How far ahead (bytes of this thread's weight stream) the vector products prefetch: chosen per machine by timing
@@ -152,9 +160,10 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
 static inline __attribute__((always_inline)) void block_vnni(const int NB, const int BITS, const long G,
                                                              const int SYM, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
-                                                             const uint8_t *codes, const float *scale,
+                                                             const int32_t *xs, const uint8_t *codes, const float *scale,
                                                              const float *minv, const float *bias, float *y,
                                                              long ldy) {
+    (void)xs; /* vpdpbusd takes the codes + 128 as they are */
     const long groups = K / G;
     __m512 acc[8];
     for (int t = 0; t < NB; t++) acc[t] = _mm512_setzero_ps();
@@ -214,17 +223,17 @@ static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8],
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
-    __m256i s = _mm256_setzero_si256(), sx = _mm256_setzero_si256();
+static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg,
+                                                              int32_t xsum) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1);
+    __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < G / 4; j++) {
-        const __m256i xb = _mm256_set1_epi32(xg[j]);
         const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * j)), flip);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w)),
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w),
+                                                                       _mm256_sign_epi8(_mm256_set1_epi32(xg[j]), w)),
                                                   ones16));
-        sx = _mm256_add_epi32(sx, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16));
     }
-    return _mm256_add_epi32(s, _mm256_slli_epi32(sx, 7)); /* back to the codes + 128 */
+    return _mm256_add_epi32(s, _mm256_set1_epi32(128 * xsum)); /* back to the codes + 128 */
 }
 
 /* The AVX2 form of block_vnni: NB (1..BLOCK_RUN) rows of x against one block of 16 output rows, as two halves of
@@ -234,13 +243,13 @@ static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const
  * unsigned by signed bytes and adds pairs into int16 with saturation, so each form keeps its pair sums in range:
  * q4 codes (0..15) times xq (-127..127) reach 3,810; a q8 code is stored as code + 128 (0..255), which could
  * reach 64,770, so it is taken as the signed code c (flip the top bit) whose magnitude |c| <= 128 meets xq with
- * c's sign moved onto it (pairs <= 32,512), and 128 * sum(xq) is added back: the integer sum is then exactly
+ * c's sign moved onto it (pairs <= 32,512), and 128 * sum(xq) is added back (xs: quantize_row's sums per 16): the integer sum is then exactly
  * vpdpbusd's, and each lane's float operations are block_vnni's in the same order, so the products are
  * bit-identical. */
 static inline __attribute__((always_inline)) void block_avx2(const int NB, const int BITS, const long G,
                                                              const int SYM, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
-                                                             const uint8_t *codes, const float *scale,
+                                                             const int32_t *xs, const uint8_t *codes, const float *scale,
                                                              const float *minv, const float *bias, float *y,
                                                              long ldy) {
     const long groups = K / G;
@@ -264,7 +273,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                 }
             for (int t = 0; t < NB; t++) {
                 const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
-                const __m256i s = BITS == 4 ? sums_q4(w, xg) : sums_q8(G, c, xg);
+                const int32_t *xst = xs + t * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
+                const __m256i s = BITS == 4 ? sums_q4(w, xg) : sums_q8(G, c, xg, G == 32 ? xst[0] + xst[1] : xst[0]);
                 const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t]);
                 acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t]);
@@ -292,7 +302,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
 /* rows t0.. of x (NB of them) against one block, for one (BITS, G) */
 #define BLOCK(NB, BITS, G, SYM) \
     BLOCK_KERNEL(NB, BITS, G, SYM, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
-                 ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, yb + t0 * N, N)
+                 ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), x->xs16 + t0 * (K / 16), c, s, \
+                 m, bb, yb + t0 * N, N)
 
 /* All T rows of x against one block of 16 output rows, in runs of up to BLOCK_RUN rows */
 #define BLOCK_ROWS(BITS, G, SYM)                                             \
@@ -371,12 +382,13 @@ static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows 
     }
 }
 
-/* Scratch for T quantised rows of K: xq, then dx, ds16, ds32 (floats) */
-static long qrows_bytes(long T, long K) { return T * K + T * (K / 32 + K / 16 + K / 32) * (long)sizeof(float); }
+/* Scratch for T quantised rows of K: xq, then dx, ds16, ds32 (floats), xs16 (int32) */
+static long qrows_bytes(long T, long K) { return T * K + T * (K / 32 + K / 16 + K / 32 + K / 16) * (long)sizeof(float); }
 
 static qrows qrows_at(void *buf, long T, long K) {
     float *f = (float *)((char *)buf + ((T * K + 63) / 64) * 64);
-    const qrows r = {(const int8_t *)buf, f, f + T * (K / 32), f + T * (K / 32 + K / 16)};
+    const qrows r = {(const int8_t *)buf, f, f + T * (K / 32), f + T * (K / 32 + K / 16),
+                     (const int32_t *)(f + T * (K / 32 + K / 16 + K / 32))};
     return r;
 }
 
@@ -387,7 +399,7 @@ long selfspec_qrows_bytes(long T, long K) { return ((qrows_bytes(T, K) + 63) / 6
 void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t) {
     const qrows r = qrows_at(buf, T, K);
     selfspec_quantize_row(K, x_t, (int8_t *)r.q + t * K, (float *)r.dx + t * (K / 32), (float *)r.ds16 + t * (K / 16),
-                          (float *)r.ds32 + t * (K / 32));
+                          (float *)r.ds32 + t * (K / 32), (int32_t *)r.xs16 + t * (K / 16));
 }
 
 /* This thread's share of quantising every row of x [T, K] into buf; a work-sharing loop with its closing barrier */
