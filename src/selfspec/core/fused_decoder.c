@@ -240,10 +240,13 @@ static inline __m256 exp_any8(__m256 x) {
 /* 8 lanes of activation() */
 static inline __m256 activation8(long act, __m256 x, __m256 u) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    if (act == 0)
-        return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, exp_any8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f))))), u);
+    if (act == 0) {
+        const __m256 e = exp_any8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f))); /* e^-x */
+        return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), u);
+    }
     const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f), _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f), x3)));
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f),
+                                   _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f), x3)));
     const __m256 e = exp_any8(_mm256_mul_ps(_mm256_set1_ps(2.0f), y));
     const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
     return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, th)), u);
@@ -254,7 +257,8 @@ static inline __m256 activation8(long act, __m256 x, __m256 u) {
 static void activation(long act, float *g, const float *u, long n) {
     long i = 0;
 #if defined(FUSED_AVX2)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(g + i, activation8(act, _mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(g + i, activation8(act, _mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
     if (act == 0) {
         for (; i < n; i++) g[i] = (g[i] / (1.0f + exp_any(-g[i]))) * u[i];
@@ -272,7 +276,8 @@ static void activation(long act, float *g, const float *u, long n) {
 static void softmax_exp(float *p, long m, float mx) {
     long i = 0;
 #if defined(FUSED_AVX2)
-    for (; i + 8 <= m; i += 8) _mm256_storeu_ps(p + i, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(mx))));
+    for (; i + 8 <= m; i += 8)
+        _mm256_storeu_ps(p + i, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(mx))));
 #endif
     for (; i < m; i++) p[i] = exp_neg(p[i] - mx);
 }
@@ -569,7 +574,8 @@ static inline __attribute__((always_inline)) void scores_rows(const int R, const
         }
         for (int r = 0; r < R; r++) {
             const v16 sum = lane_reduce16(lanes[r]);
-            const v16 sc = {_mm256_mul_ps(sum.lo, _mm256_set1_ps(scaling)), _mm256_mul_ps(sum.hi, _mm256_set1_ps(scaling))};
+            const __m256 sv = _mm256_set1_ps(scaling);
+            const v16 sc = {_mm256_mul_ps(sum.lo, sv), _mm256_mul_ps(sum.hi, sv)};
             float out[LANES];
             _mm256_storeu_ps(out, sc.lo);
             _mm256_storeu_ps(out + 8, sc.hi);

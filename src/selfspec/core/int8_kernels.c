@@ -46,6 +46,16 @@ int selfspec_int8_kernels(void) {
 #endif
 }
 
+/* Block b's scale d and its code sums s0 (elements 0-15) and s1 (16-31), where the products read them */
+static inline void block_sums(long b, float d, int s0, int s1, float *dx, float *ds16, float *ds32, int32_t *xs16) {
+    dx[b] = d;
+    ds16[2 * b] = d * (float)s0;
+    ds16[2 * b + 1] = d * (float)s1;
+    ds32[b] = d * (float)(s0 + s1);
+    xs16[2 * b] = s0;
+    xs16[2 * b + 1] = s1;
+}
+
 /* One row of x [K] to int8 codes xq [K], block scales dx [K/32], and dx * (sum of the codes) per 16 (ds16) and
  * per 32 (ds32) elements: the minimum's term of a q8 group of 16 or of any group of 32; xs16: the sums of the
  * codes per 16 themselves (the AVX2 q8 products add 128 * sum to their own integer sums).  A block holding a NaN
@@ -64,12 +74,7 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
         const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-        dx[b] = d;
-        ds16[2 * b] = d * (float)s0;
-        ds16[2 * b + 1] = d * (float)s1;
-        ds32[b] = d * (float)(s0 + s1);
-        xs16[2 * b] = s0;
-        xs16[2 * b + 1] = s1;
+        block_sums(b, d, s0, s1, dx, ds16, ds32, xs16);
     }
 #elif defined(SELFSPEC_AVX2)
     /* the same numbers again, 8 lanes at a time: the scalar loop took a tenth of the AVX2 build's step */
@@ -98,12 +103,7 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         both = _mm256_hadd_epi32(both, both);       /* s01 in 0, 4; s23 in 1, 5 */
         const int s0 = _mm256_extract_epi32(both, 0) + _mm256_extract_epi32(both, 4);
         const int s1 = _mm256_extract_epi32(both, 1) + _mm256_extract_epi32(both, 5);
-        dx[b] = d;
-        ds16[2 * b] = d * (float)s0;
-        ds16[2 * b + 1] = d * (float)s1;
-        ds32[b] = d * (float)(s0 + s1);
-        xs16[2 * b] = s0;
-        xs16[2 * b + 1] = s1;
+        block_sums(b, d, s0, s1, dx, ds16, ds32, xs16);
     }
 #else
     for (long b = 0; b < K / 32; b++) {
@@ -121,12 +121,7 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
             xq[b * 32 + i] = (int8_t)q;
             sum[i >> 4] += q;
         }
-        dx[b] = d;
-        ds16[2 * b] = d * (float)sum[0];
-        ds16[2 * b + 1] = d * (float)sum[1];
-        ds32[b] = d * (float)(sum[0] + sum[1]);
-        xs16[2 * b] = sum[0];
-        xs16[2 * b + 1] = sum[1];
+        block_sums(b, d, sum[0], sum[1], dx, ds16, ds32, xs16);
     }
 #endif
 }
@@ -160,7 +155,8 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
 static inline __attribute__((always_inline)) void block_vnni(const int NB, const int BITS, const long G,
                                                              const int SYM, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
-                                                             const int32_t *xs, const uint8_t *codes, const float *scale,
+                                                             const int32_t *xs, const uint8_t *codes,
+                                                             const float *scale,
                                                              const float *minv, const float *bias, float *y,
                                                              long ldy) {
     (void)xs; /* vpdpbusd takes the codes + 128 as they are */
@@ -243,13 +239,15 @@ static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const
  * unsigned by signed bytes and adds pairs into int16 with saturation, so each form keeps its pair sums in range:
  * q4 codes (0..15) times xq (-127..127) reach 3,810; a q8 code is stored as code + 128 (0..255), which could
  * reach 64,770, so it is taken as the signed code c (flip the top bit) whose magnitude |c| <= 128 meets xq with
- * c's sign moved onto it (pairs <= 32,512), and 128 * sum(xq) is added back (xs: quantize_row's sums per 16): the integer sum is then exactly
+ * c's sign moved onto it (pairs <= 32,512), and 128 * sum(xq) is added back (xs: quantize_row's sums per 16):
+ * the integer sum is then exactly
  * vpdpbusd's, and each lane's float operations are block_vnni's in the same order, so the products are
  * bit-identical. */
 static inline __attribute__((always_inline)) void block_avx2(const int NB, const int BITS, const long G,
                                                              const int SYM, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
-                                                             const int32_t *xs, const uint8_t *codes, const float *scale,
+                                                             const int32_t *xs, const uint8_t *codes,
+                                                             const float *scale,
                                                              const float *minv, const float *bias, float *y,
                                                              long ldy) {
     const long groups = K / G;
@@ -260,7 +258,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
         for (int t = 0; t < NB; t++) acc[t] = _mm256_setzero_ps();
         for (long g = 0; g < groups; g++) {
             if (ahead && h == 0)
-                for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
+                for (long b = 0; b < group_bytes; b += 64)
+                    __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
             const uint8_t *c = codes + g * group_bytes + 32 * h;
             const __m256 dv = _mm256_loadu_ps(scale + g * 16 + 8 * h);
             const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(-128.0f)) : _mm256_loadu_ps(minv + g * 16 + 8 * h);
@@ -383,7 +382,9 @@ static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows 
 }
 
 /* Scratch for T quantised rows of K: xq, then dx, ds16, ds32 (floats), xs16 (int32) */
-static long qrows_bytes(long T, long K) { return T * K + T * (K / 32 + K / 16 + K / 32 + K / 16) * (long)sizeof(float); }
+static long qrows_bytes(long T, long K) {
+    return T * K + T * (K / 32 + K / 16 + K / 32 + K / 16) * (long)sizeof(float);
+}
 
 static qrows qrows_at(void *buf, long T, long K) {
     float *f = (float *)((char *)buf + ((T * K + 63) / 64) * 64);
