@@ -126,6 +126,42 @@ static inline float dot(const float *a, const float *b, long n) {
     }
     return lane_reduce(acc);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The AVX2 form (CPUs without AVX-512): 16 lanes as two 8-lane halves, lanes 0-7 and 8-15, and the same IEEE
+ * operations lane for lane as the 16-lane code, so that this build's numbers are the others' bit for bit */
+#define FUSED_AVX2 1
+#include <immintrin.h>
+typedef struct {
+    __m256 lo, hi;
+} v16;
+
+static inline float lane_reduce(v16 v) {
+    const __m256 a = _mm256_add_ps(v.lo, v.hi);                                    /* l + l+8 */
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* l + l+4 */
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));                                        /* l + l+2 */
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));                                         /* l + l+1 */
+    return _mm_cvtss_f32(b);
+}
+
+static inline float lane_sum(const float *acc) {
+    const v16 v = {_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)};
+    return lane_reduce(v);
+}
+
+static inline float dot(const float *a, const float *b, long n) {
+    v16 acc = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) { /* a product, then an addition: no fused multiply-add here */
+        acc.lo = _mm256_add_ps(acc.lo, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        acc.hi = _mm256_add_ps(acc.hi, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+    }
+    if (i == n) return lane_reduce(acc);
+    float lanes[LANES]; /* a last partial block: its lanes one by one, the others left as they are */
+    _mm256_storeu_ps(lanes, acc.lo);
+    _mm256_storeu_ps(lanes + 8, acc.hi);
+    for (int l = 0; i < n; i++, l++) lanes[l] = lanes[l] + a[i] * b[i];
+    return lane_sum(lanes);
+}
 #else
 static inline float lane_sum(const float *lanes) {
     float acc[LANES];
@@ -174,17 +210,76 @@ static inline float exp_any(float x) {
     return x > 0.0f ? 1.0f / e : e;
 }
 
-static void activation(long act, float *g, const float *u, long n) {
+#if defined(FUSED_AVX2)
+/* exp_neg and exp_any on 8 lanes by the same operations.  The AVX-512 build's compiler vectorises the scalar
+ * formulas itself; this one does not (without mask registers it may not if-convert their selects), and the
+ * scalar loops cost a one-token step a fifth of its time. */
+static inline __m256 exp_neg8(__m256 x) {
+    const __m256 lim = _mm256_set1_ps(-87.0f), magic = _mm256_set1_ps(12582912.0f);
+    x = _mm256_blendv_ps(x, lim, _mm256_cmp_ps(x, lim, _CMP_LT_OQ));
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), magic), magic);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
+    __m256 p = _mm256_set1_ps(1.98756912e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.39819994e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.33345205e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.16657962e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.66666657e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvttps_epi32(n), 23); /* n * 2^23 */
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+static inline __m256 exp_any8(__m256 x) {
+    const __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 e = exp_neg8(_mm256_blendv_ps(x, _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)), pos));
+    return _mm256_blendv_ps(e, _mm256_div_ps(_mm256_set1_ps(1.0f), e), pos);
+}
+
+/* 8 lanes of activation() */
+static inline __m256 activation8(long act, __m256 x, __m256 u) {
+    const __m256 one = _mm256_set1_ps(1.0f);
     if (act == 0) {
-        for (long i = 0; i < n; i++) g[i] = (g[i] / (1.0f + exp_any(-g[i]))) * u[i];
+        const __m256 e = exp_any8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f))); /* e^-x */
+        return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), u);
+    }
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f),
+                                   _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f), x3)));
+    const __m256 e = exp_any8(_mm256_mul_ps(_mm256_set1_ps(2.0f), y));
+    const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, th)), u);
+}
+#endif
+
+/* g = act(g) * u: SiLU (act 0) or tanh-approximated GELU (act 1) */
+static void activation(long act, float *g, const float *u, long n) {
+    long i = 0;
+#if defined(FUSED_AVX2)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(g + i, activation8(act, _mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+#endif
+    if (act == 0) {
+        for (; i < n; i++) g[i] = (g[i] / (1.0f + exp_any(-g[i]))) * u[i];
     } else {
-        for (long i = 0; i < n; i++) {
+        for (; i < n; i++) {
             const float x = g[i];
             const float y = 0.7978845608f * (x + 0.044715f * (x * x * x));
             const float th = 1.0f - 2.0f / (exp_any(2.0f * y) + 1.0f);
             g[i] = (0.5f * x * (1.0f + th)) * u[i];
         }
     }
+}
+
+/* p[i] = e^(p[i] - mx) for i < m: softmax's numerators */
+static void softmax_exp(float *p, long m, float mx) {
+    long i = 0;
+#if defined(FUSED_AVX2)
+    for (; i + 8 <= m; i += 8)
+        _mm256_storeu_ps(p + i, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(mx))));
+#endif
+    for (; i < m; i++) p[i] = exp_neg(p[i] - mx);
 }
 
 /* rotate-half rotary embedding of one head vector in place; cos, sin: [hd] of this row's position */
@@ -220,6 +315,10 @@ static void kv_put(void *base, long i, const float *x, long n, int kv16) {
     for (; j + LANES <= n; j += LANES)
         _mm256_storeu_si256((__m256i *)(d + j),
                             _mm512_cvtps_ph(_mm512_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(FUSED_AVX2)
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(d + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
     for (; j < n; j++) d[j] = (_Float16)x[j]; /* round to nearest even, as the vector conversion */
 }
@@ -374,6 +473,179 @@ static void weighted_values(int R, int kv16, const float *p, long pstride, const
     }
     weighted_dims(R, kv16, p, pstride, list, m, vc, d0, hd, out);
 }
+#elif defined(FUSED_AVX2)
+/* The AVX2 form of the two sums: 16 lanes as two halves (v16), the same operations as the AVX-512 code above */
+static inline __m256 kv_load8(const void *base, long i, int kv16) {
+    return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kv_at(base, i, 1)))
+                : _mm256_loadu_ps((const float *)base + i);
+}
+
+static inline v16 kv_load16(const void *base, long i, int kv16) {
+    const v16 v = {kv_load8(base, i, kv16), kv_load8(base, i + 8, kv16)};
+    return v;
+}
+
+/* the first n < 16 entries from i, zeros after */
+static inline v16 kv_load16_part(const void *base, long i, long n, int kv16) {
+    float tmp[LANES] = {0};
+    for (long l = 0; l < n; l++) tmp[l] = kv_get(base, i + l, kv16); /* widening a half is exact */
+    return kv_load16(tmp, 0, 0);
+}
+
+static inline v16 mul16(v16 a, v16 b) {
+    const v16 r = {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+    return r;
+}
+
+static inline v16 fmadd16(v16 a, v16 b, v16 c) {
+    const v16 r = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+    return r;
+}
+
+/* lanes i < n of a, lanes from n on of b */
+static inline v16 first_lanes(long n, v16 a, v16 b) {
+    const __m256i nv = _mm256_set1_epi32((int)n), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 mlo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, idx));
+    const __m256 mhi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(nv, _mm256_add_epi32(idx, _mm256_set1_epi32(8))));
+    const v16 r = {_mm256_blendv_ps(b.lo, a.lo, mlo), _mm256_blendv_ps(b.hi, a.hi, mhi)};
+    return r;
+}
+
+/* out lane j = the last three levels of lane_reduce() of a[j] (lanes l + l+4, l + l+2, l + l+1), for 8
+ * vectors at once: their lanes shuffled side by side so that each addition serves several of them */
+static inline __m256 lane_reduce8(const __m256 a[8]) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; i++) /* b[i]: lanes 0-3 of vector 2i, 4-7 of vector 2i+1: l + l+4 */
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* c[i]: per half, lanes 0-1 of one vector, 2-3 of another: l + l+2 */
+        c[i] = _mm256_add_ps(
+            _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(b[2 * i]), _mm256_castps_pd(b[2 * i + 1]))),
+            _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(b[2 * i]), _mm256_castps_pd(b[2 * i + 1]))));
+    /* vectors 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high half: l + l+1 */
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* out lane j = lane_reduce(v[j]) for 16 vectors, by the very same additions */
+static inline v16 lane_reduce16(const v16 v[16]) {
+    __m256 a[16];
+    for (int j = 0; j < 16; j++) a[j] = _mm256_add_ps(v[j].lo, v[j].hi); /* l + l+8 */
+    const v16 r = {lane_reduce8(a), lane_reduce8(a + 8)};
+    return r;
+}
+
+/* q_r . key, per lane: the products of dimensions l, l + 16, ... chained by fused multiply-adds */
+static inline __attribute__((always_inline)) void key_lanes(const int R, const int KV16, const float *q,
+                                                            const void *kc, long base, long hd, v16 *t) {
+    const long C = hd / LANES, rest = hd % LANES;
+    if (C > 0) {
+        const v16 k0 = kv_load16(kc, base, KV16);
+        for (int r = 0; r < R; r++) t[r] = mul16(kv_load16(q + r * hd, 0, 0), k0);
+    } else {
+        const v16 k0 = kv_load16_part(kc, base, rest, KV16);
+        for (int r = 0; r < R; r++) t[r] = mul16(kv_load16_part(q + r * hd, 0, rest, 0), k0);
+    }
+    for (long c = 1; c < C; c++) {
+        const v16 kv = kv_load16(kc, base + c * LANES, KV16);
+        for (int r = 0; r < R; r++) t[r] = fmadd16(kv_load16(q + r * hd + c * LANES, 0, 0), kv, t[r]);
+    }
+    if (rest && C > 0) { /* lanes past the last dimension keep their sums (not + 0 * 0: the sign of a zero) */
+        const v16 kv = kv_load16_part(kc, base + C * LANES, rest, KV16);
+        for (int r = 0; r < R; r++)
+            t[r] = first_lanes(rest, fmadd16(kv_load16_part(q + r * hd + C * LANES, 0, rest, 0), kv, t[r]), t[r]);
+    }
+}
+
+/* scores_rows of the AVX-512 code: 16 keys at a time, their lane sums taken together */
+static inline __attribute__((always_inline)) void scores_rows(const int R, const int KV16, const float *q,
+                                                              const void *kc, long hd, const long *list, long m,
+                                                              float scaling, float *p, long pstride, float *mx) {
+    const v16 ninf = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
+    v16 best[RMAX], lanes[RMAX][16];
+    for (int r = 0; r < R; r++) best[r] = ninf;
+    for (long i = 0; i < m; i += 16) {
+        const long n = m - i < 16 ? m - i : 16;
+        for (long j = 0; j < 16; j++) {
+            v16 t[RMAX];
+            key_lanes(R, KV16, q, kc, list[i + (j < n ? j : 0)] * hd, hd, t);
+            for (int r = 0; r < R; r++) lanes[r][j] = t[r];
+        }
+        for (int r = 0; r < R; r++) {
+            const v16 sum = lane_reduce16(lanes[r]);
+            const __m256 sv = _mm256_set1_ps(scaling);
+            const v16 sc = {_mm256_mul_ps(sum.lo, sv), _mm256_mul_ps(sum.hi, sv)};
+            float out[LANES];
+            _mm256_storeu_ps(out, sc.lo);
+            _mm256_storeu_ps(out + 8, sc.hi);
+            memcpy(p + r * pstride + i, out, (size_t)n * sizeof(float));
+            const v16 s = first_lanes(n, sc, ninf);
+            best[r].lo = _mm256_max_ps(best[r].lo, s.lo);
+            best[r].hi = _mm256_max_ps(best[r].hi, s.hi);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float b[LANES], x = -INFINITY;
+        _mm256_storeu_ps(b, best[r].lo);
+        _mm256_storeu_ps(b + 8, best[r].hi);
+        for (int l = 0; l < LANES; l++) x = b[l] > x ? b[l] : x;
+        mx[r] = x;
+    }
+}
+
+/* NV vectors (8 NV dimensions) of each of R rows kept in registers across all keys: NV * R of AVX2's 16
+ * registers hold sums (8 NV = 64, 32 or 16 dimensions for 1, 2, or 3-4 rows) */
+static inline __attribute__((always_inline)) void weighted_block(const int R, const int KV16, const int NV,
+                                                                 const float *p, long pstride, const long *list,
+                                                                 long m, const void *vc, long d0, long hd,
+                                                                 float *out) {
+    __m256 acc[RMAX][8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = _mm256_setzero_ps();
+    for (long i = 0; i < m; i++) {
+        const long base = list[i] * hd + d0;
+        __m256 w[RMAX];
+        for (int r = 0; r < R; r++) w[r] = _mm256_set1_ps(p[r * pstride + i]);
+        for (int c = 0; c < NV; c++) {
+            const __m256 v = kv_load8(vc, base + 8 * c, KV16);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(w[r], v, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NV; c++) _mm256_storeu_ps(out + r * hd + d0 + 8 * c, acc[r][c]);
+}
+
+#define ROWS_SWITCH(R, CALL) \
+    switch (R) {             \
+        case 4: CALL(4); break; \
+        case 3: CALL(3); break; \
+        case 2: CALL(2); break; \
+        default: CALL(1); break; \
+    }
+
+static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
+                   float *p, long pstride, float *mx) {
+#define SCORES(N) \
+    (kv16 ? scores_rows(N, 1, q, kc, hd, list, m, scaling, p, pstride, mx) \
+          : scores_rows(N, 0, q, kc, hd, list, m, scaling, p, pstride, mx))
+    ROWS_SWITCH(R, SCORES)
+#undef SCORES
+}
+
+static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
+                            long hd, float *out) {
+    const long width = R == 1 ? 64 : R == 2 ? 32 : 16;
+    long d0 = 0;
+    for (; d0 + width <= hd; d0 += width) {
+#define WEIGHTED(N) \
+    (kv16 ? weighted_block(N, 1, (N) == 1 ? 8 : (N) == 2 ? 4 : 2, p, pstride, list, m, vc, d0, hd, out) \
+          : weighted_block(N, 0, (N) == 1 ? 8 : (N) == 2 ? 4 : 2, p, pstride, list, m, vc, d0, hd, out))
+        ROWS_SWITCH(R, WEIGHTED)
+#undef WEIGHTED
+    }
+    weighted_dims(R, kv16, p, pstride, list, m, vc, d0, hd, out);
+}
 #else
 static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
                    float *p, long pstride, float *mx) {
@@ -409,7 +681,7 @@ static void attend_rows(int R, int kv16, const float *q, const void *kc, const v
     scores(R, kv16, q, kc, hd, list, m, scaling, p, pstride, mx);
     for (int r = 0; r < R; r++) {
         float *pr = p + r * pstride;
-        for (long i = 0; i < m; i++) pr[i] = exp_neg(pr[i] - mx[r]);
+        softmax_exp(pr, m, mx[r]);
         float acc[LANES] = {0};
         long i = 0;
         for (; i + LANES <= m; i += LANES)

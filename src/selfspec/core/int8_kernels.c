@@ -46,10 +46,21 @@ int selfspec_int8_kernels(void) {
 #endif
 }
 
+/* Block b's scale d and its code sums s0 (elements 0-15) and s1 (16-31), where the products read them */
+static inline void block_sums(long b, float d, int s0, int s1, float *dx, float *ds16, float *ds32, int32_t *xs16) {
+    dx[b] = d;
+    ds16[2 * b] = d * (float)s0;
+    ds16[2 * b + 1] = d * (float)s1;
+    ds32[b] = d * (float)(s0 + s1);
+    xs16[2 * b] = s0;
+    xs16[2 * b + 1] = s1;
+}
+
 /* One row of x [K] to int8 codes xq [K], block scales dx [K/32], and dx * (sum of the codes) per 16 (ds16) and
- * per 32 (ds32) elements: the minimum's term of a q8 group of 16 or of any group of 32.  A block holding a NaN
+ * per 32 (ds32) elements: the minimum's term of a q8 group of 16 or of any group of 32; xs16: the sums of the
+ * codes per 16 themselves (the AVX2 q8 products add 128 * sum to their own integer sums).  A block holding a NaN
  * gets a NaN scale and an infinite one a NaN product, so the products' outputs stay non-finite, as in fp32. */
-void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float *ds16, float *ds32) {
+void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float *ds16, float *ds32, int32_t *xs16) {
 #ifdef SELFSPEC_VNNI
     /* the same numbers as the portable loop: max is exact, vcvtps2dq rounds half to even under the default mode */
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -63,10 +74,36 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
         const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-        dx[b] = d;
-        ds16[2 * b] = d * (float)s0;
-        ds16[2 * b + 1] = d * (float)s1;
-        ds32[b] = d * (float)(s0 + s1);
+        block_sums(b, d, s0, s1, dx, ds16, ds32, xs16);
+    }
+#elif defined(SELFSPEC_AVX2)
+    /* the same numbers again, 8 lanes at a time: the scalar loop took a tenth of the AVX2 build's step */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (long b = 0; b < K / 32; b++) {
+        __m256 a[4];
+        int nan = 0;
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
+            nan |= _mm256_movemask_ps(_mm256_cmp_ps(a[j], a[j], _CMP_UNORD_Q));
+        }
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        const float d = nan ? NAN : amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], _mm256_set1_ps(inv)));
+        /* |q| <= 127: the saturating packs are exact; they interleave 4-lane quarters, which `order` undoes */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * 32), _mm256_permutevar8x32_epi32(bytes, order));
+        __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]); /* exact integers */
+        __m256i both = _mm256_hadd_epi32(s01, s23); /* pairs: s01 in 0-1, 4-5; s23 in 2-3, 6-7 */
+        both = _mm256_hadd_epi32(both, both);       /* s01 in 0, 4; s23 in 1, 5 */
+        const int s0 = _mm256_extract_epi32(both, 0) + _mm256_extract_epi32(both, 4);
+        const int s1 = _mm256_extract_epi32(both, 1) + _mm256_extract_epi32(both, 5);
+        block_sums(b, d, s0, s1, dx, ds16, ds32, xs16);
     }
 #else
     for (long b = 0; b < K / 32; b++) {
@@ -84,10 +121,7 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
             xq[b * 32 + i] = (int8_t)q;
             sum[i >> 4] += q;
         }
-        dx[b] = d;
-        ds16[2 * b] = d * (float)sum[0];
-        ds16[2 * b + 1] = d * (float)sum[1];
-        ds32[b] = d * (float)(sum[0] + sum[1]);
+        block_sums(b, d, sum[0], sum[1], dx, ds16, ds32, xs16);
     }
 #endif
 }
@@ -96,6 +130,7 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
 typedef struct {
     const int8_t *q;
     const float *dx, *ds16, *ds32;
+    const int32_t *xs16;
 } qrows;
 
 /* How far ahead (bytes of this thread's weight stream) the vector products prefetch: chosen per machine by timing
@@ -120,9 +155,11 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
 static inline __attribute__((always_inline)) void block_vnni(const int NB, const int BITS, const long G,
                                                              const int SYM, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
-                                                             const uint8_t *codes, const float *scale,
+                                                             const int32_t *xs, const uint8_t *codes,
+                                                             const float *scale,
                                                              const float *minv, const float *bias, float *y,
                                                              long ldy) {
+    (void)xs; /* vpdpbusd takes the codes + 128 as they are */
     const long groups = K / G;
     __m512 acc[8];
     for (int t = 0; t < NB; t++) acc[t] = _mm512_setzero_ps();
@@ -174,68 +211,80 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
 #endif
 
 #ifdef SELFSPEC_AVX2
-/* The AVX2 form of block_vnni: NB (1..BLOCK_RUN) rows of x against one block of 16 output rows, as two halves of 8 rows
- * (the first 32 bytes of a 64-byte code group hold rows 0-7, the next 32 rows 8-15).  vpmaddubsw multiplies
+/* The exact integer sums of one group for one row of x (xg: its int8 codes as 4-byte words) and 8 output rows:
+ * q4 from the group's nibbles w[8] (k = 4j + i in w[j]); q8 from its bytes c (32 bytes per 4 k, 64 apart) */
+static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8], const int32_t *xg) {
+    __m256i p = _mm256_setzero_si256(); /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
+    for (int j = 0; j < 8; j++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xg[j])));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg,
+                                                              int32_t xsum) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1);
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < G / 4; j++) {
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * j)), flip);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w),
+                                                                       _mm256_sign_epi8(_mm256_set1_epi32(xg[j]), w)),
+                                                  ones16));
+    }
+    return _mm256_add_epi32(s, _mm256_set1_epi32(128 * xsum)); /* back to the codes + 128 */
+}
+
+/* The AVX2 form of block_vnni: NB (1..BLOCK_RUN) rows of x against one block of 16 output rows, as two halves of
+ * 8 rows (the first 32 bytes of a 64-byte code group hold rows 0-7, the next 32 rows 8-15), one half after the
+ * other: its NB sums and a group's decoded nibbles then fit AVX2's 16 registers, and the nibbles are decoded once
+ * for all NB rows of x (a block's codes, a few KB, stay in L1 for the second half).  vpmaddubsw multiplies
  * unsigned by signed bytes and adds pairs into int16 with saturation, so each form keeps its pair sums in range:
  * q4 codes (0..15) times xq (-127..127) reach 3,810; a q8 code is stored as code + 128 (0..255), which could
  * reach 64,770, so it is taken as the signed code c (flip the top bit) whose magnitude |c| <= 128 meets xq with
- * c's sign moved onto it (pairs <= 32,512), and 128 * sum(xq) is added back: the integer sum is then exactly
- * vpdpbusd's, and the float operations are block_vnni's lane for lane, so the products are bit-identical. */
+ * c's sign moved onto it (pairs <= 32,512), and 128 * sum(xq) is added back (xs: quantize_row's sums per 16):
+ * the integer sum is then exactly
+ * vpdpbusd's, and each lane's float operations are block_vnni's in the same order, so the products are
+ * bit-identical. */
 static inline __attribute__((always_inline)) void block_avx2(const int NB, const int BITS, const long G,
                                                              const int SYM, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
-                                                             const uint8_t *codes, const float *scale,
+                                                             const int32_t *xs, const uint8_t *codes,
+                                                             const float *scale,
                                                              const float *minv, const float *bias, float *y,
                                                              long ldy) {
     const long groups = K / G;
-    __m256 acc[8][2]; /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
-    for (int t = 0; t < NB; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
-    const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    const __m256i low = _mm256_set1_epi8(15);
     const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = prefetch_bytes / group_bytes; /* as block_vnni's */
-    for (long g = 0; g < groups; g++) {
-        if (ahead)
-            for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
-        const uint8_t *c = codes + g * group_bytes;
-        for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
+    for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
+        __m256 acc[8];             /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
+        for (int t = 0; t < NB; t++) acc[t] = _mm256_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            if (ahead && h == 0)
+                for (long b = 0; b < group_bytes; b += 64)
+                    __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
+            const uint8_t *c = codes + g * group_bytes + 32 * h;
             const __m256 dv = _mm256_loadu_ps(scale + g * 16 + 8 * h);
             const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(-128.0f)) : _mm256_loadu_ps(minv + g * 16 + 8 * h);
+            __m256i w[8];
+            if (BITS == 4)
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
+                    w[j] = _mm256_and_si256(v, low);
+                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
             for (int t = 0; t < NB; t++) {
                 const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
-                __m256i s;
-                if (BITS == 4) { /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
-                    __m256i p = _mm256_setzero_si256();
-                    for (int j = 0; j < 4; j++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j + 32 * h));
-                        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_and_si256(v, low), _mm256_set1_epi32(xg[j])));
-                        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                                                     _mm256_set1_epi32(xg[j + 4])));
-                    }
-                    s = _mm256_madd_epi16(p, ones16);
-                } else {
-                    __m256i sx = _mm256_setzero_si256();
-                    s = _mm256_setzero_si256();
-                    for (int j = 0; j < G / 4; j++) {
-                        const __m256i xb = _mm256_set1_epi32(xg[j]);
-                        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * j + 32 * h)), flip);
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w),
-                                                                                        _mm256_sign_epi8(xb, w)), ones16));
-                        sx = _mm256_add_epi32(sx, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xb), ones16));
-                    }
-                    s = _mm256_add_epi32(s, _mm256_slli_epi32(sx, 7)); /* back to the codes + 128 */
-                }
+                const int32_t *xst = xs + t * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
+                const __m256i s = BITS == 4 ? sums_q4(w, xg) : sums_q8(G, c, xg, G == 32 ? xst[0] + xst[1] : xst[0]);
                 const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
-                acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t][h]);
-                acc[t][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t][h]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t]);
+                acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t]);
             }
         }
-    }
-    for (int t = 0; t < NB; t++)
-        for (int h = 0; h < 2; h++) {
-            __m256 r = acc[t][h];
+        for (int t = 0; t < NB; t++) {
+            __m256 r = acc[t];
             if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + 8 * h));
             _mm256_storeu_ps(y + t * ldy + 8 * h, r);
         }
+    }
 }
 
 #endif
@@ -252,7 +301,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
 /* rows t0.. of x (NB of them) against one block, for one (BITS, G) */
 #define BLOCK(NB, BITS, G, SYM) \
     BLOCK_KERNEL(NB, BITS, G, SYM, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
-                 ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), c, s, m, bb, yb + t0 * N, N)
+                 ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), x->xs16 + t0 * (K / 16), c, s, \
+                 m, bb, yb + t0 * N, N)
 
 /* All T rows of x against one block of 16 output rows, in runs of up to BLOCK_RUN rows */
 #define BLOCK_ROWS(BITS, G, SYM)                                             \
@@ -331,12 +381,15 @@ static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows 
     }
 }
 
-/* Scratch for T quantised rows of K: xq, then dx, ds16, ds32 (floats) */
-static long qrows_bytes(long T, long K) { return T * K + T * (K / 32 + K / 16 + K / 32) * (long)sizeof(float); }
+/* Scratch for T quantised rows of K: xq, then dx, ds16, ds32 (floats), xs16 (int32) */
+static long qrows_bytes(long T, long K) {
+    return T * K + T * (K / 32 + K / 16 + K / 32 + K / 16) * (long)sizeof(float);
+}
 
 static qrows qrows_at(void *buf, long T, long K) {
     float *f = (float *)((char *)buf + ((T * K + 63) / 64) * 64);
-    const qrows r = {(const int8_t *)buf, f, f + T * (K / 32), f + T * (K / 32 + K / 16)};
+    const qrows r = {(const int8_t *)buf, f, f + T * (K / 32), f + T * (K / 32 + K / 16),
+                     (const int32_t *)(f + T * (K / 32 + K / 16 + K / 32))};
     return r;
 }
 
@@ -347,7 +400,7 @@ long selfspec_qrows_bytes(long T, long K) { return ((qrows_bytes(T, K) + 63) / 6
 void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t) {
     const qrows r = qrows_at(buf, T, K);
     selfspec_quantize_row(K, x_t, (int8_t *)r.q + t * K, (float *)r.dx + t * (K / 32), (float *)r.ds16 + t * (K / 16),
-                          (float *)r.ds32 + t * (K / 32));
+                          (float *)r.ds32 + t * (K / 32), (int32_t *)r.xs16 + t * (K / 16));
 }
 
 /* This thread's share of quantising every row of x [T, K] into buf; a work-sharing loop with its closing barrier */

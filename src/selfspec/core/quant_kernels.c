@@ -33,6 +33,36 @@ static inline void v_nibbles(const uint8_t *c, vec *lo, vec *hi) {
     *hi = v_u8(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
 }
 static inline vec v_bytes(const int8_t *c) { return v_i8(_mm_loadu_si128((const __m128i *)c)); }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: 16 lanes as two 8-lane halves, lane for lane the AVX-512 operations (a float32-activation step of the
+ * AVX2 build ran 10x slower on the portable loops below) */
+#define QUANT_AVX2 1
+#include <immintrin.h>
+typedef struct { __m256 lo, hi; } vec;
+static inline vec v_zero(void) { const vec r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline vec v_set1(float a) { const vec r = {_mm256_set1_ps(a), _mm256_set1_ps(a)}; return r; }
+static inline vec v_load(const float *p) { const vec r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline vec v_fma(vec a, vec b, vec c) {
+    const vec r = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+    return r;
+}
+static inline void v_store(float *p, vec a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline vec v_u8(__m128i b) {
+    const vec r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+    return r;
+}
+static inline void v_nibbles(const uint8_t *c, vec *lo, vec *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)c), mask = _mm_set1_epi8(15);
+    *lo = v_u8(_mm_and_si128(b, mask));
+    *hi = v_u8(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+}
+static inline vec v_bytes(const int8_t *c) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)c);
+    const vec r = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    return r;
+}
 #else
 /* portable fallback: 16 lanes as a plain struct, explicit fmaf (no reordering) */
 typedef struct { float f[LANES]; } vec;
@@ -49,16 +79,32 @@ static inline void v_nibbles(const uint8_t *c, vec *lo, vec *hi) {
 static inline vec v_bytes(const int8_t *c) { vec r; for (int j = 0; j < LANES; j++) r.f[j] = (float)c[j]; return r; }
 #endif
 
+/* The sum of a + b's 16 lanes by a fixed tree, lanes l and l + w added for w = 8, 4, 2, 1 (the same rounding for
+ * every row and every T, and in every build; spelt out, as compilers' _mm512_reduce_add_ps need not keep it) */
 #if defined(__AVX512F__)
-/* a fixed shuffle tree (the same instructions, hence the same rounding, for every row and every T) */
-static inline float v_sum2(vec a, vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+static inline float v_sum2(vec a, vec b) {
+    const __m512 v = _mm512_add_ps(a, b);
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  /* l + l+8 */
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));            /* l + l+4 */
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                                    /* l + l+2 */
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));                                   /* l + l+1 */
+}
+#elif defined(QUANT_AVX2)
+static inline float v_sum2(vec a, vec b) {
+    const __m256 h = _mm256_add_ps(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); /* l + l+8 */
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));          /* l + l+4 */
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                                  /* l + l+2 */
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));                                 /* l + l+1 */
+}
 #else
 static inline float v_sum2(vec a, vec b) {
-    float ta[LANES], tb[LANES], s = 0.0f;
+    float ta[LANES], tb[LANES];
     v_store(ta, a);
     v_store(tb, b);
-    for (int j = 0; j < LANES; j++) s += ta[j] + tb[j];  /* one fixed order */
-    return s;
+    for (int j = 0; j < LANES; j++) ta[j] = ta[j] + tb[j];
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) ta[l] = ta[l] + ta[l + w];
+    return ta[0];
 }
 #endif
 
