@@ -50,6 +50,21 @@ def dear_profile(num_layers: int) -> CostProfile:
     return CostProfile("dear", FLAT_VERIFY, {"same": DraftCosts(0.0, 0.0, 10.0, 1.0)}, num_layers)
 
 
+def no_draft_head_profile(num_layers: int) -> CostProfile:
+    """``cheap_profile`` but the draft's head is the full head (no draft vocabulary): a draft that skips nothing
+    is priced at a full pass."""
+    per_sublayer = 9.0 / (2 * num_layers)
+    return CostProfile("full-head", FLAT_VERIFY, {"same": DraftCosts(per_sublayer, per_sublayer, 1.0, 1.0)},
+                       num_layers)  # fmt: skip
+
+
+def draft_head_profile(num_layers: int, head_ms: float) -> CostProfile:
+    """Qwen2.5 0.5B's shape of costs: sublayers 6 of a 10 ms step (an MLP 7x an attention), the full head 4;
+    the draft's head ``head_ms``.  Skipping nothing costs (6 + head_ms) / 10 of a step."""
+    attention, mlp = 6.0 / (8 * num_layers), 6.0 * 7 / (8 * num_layers)
+    return CostProfile("draft-head", FLAT_VERIFY, {"same": DraftCosts(attention, mlp, head_ms, 1.0)}, num_layers)
+
+
 def session_with(model, profile: CostProfile, **options) -> selfspec.Session:
     session = selfspec.Session(model, "asd", draft_dtype="same", **options)
     session.skip_policy = AutoAsdPolicy(profile=profile)
@@ -231,7 +246,11 @@ def test_candidates_follow_the_cosine_profile_and_run_conservative_to_aggressive
     costs = [o.cost for o in policy.options]
     assert costs == sorted(costs, reverse=True)
     assert len({o.skip for o in policy.options}) == len(policy.options)
-    assert SkipSet() not in {o.skip for o in policy.options}, "the full model drafting in its own precision never pays"
+    assert policy.options[0].skip == SkipSet(), "skipping nothing (the draft head saves 5%) is the most conservative"
+    full_head = AutoAsdPolicy(profile=no_draft_head_profile(8))
+    full_head.bind(fake_model(8))
+    full_head.propose(COS8, 8)
+    assert SkipSet() not in {o.skip for o in full_head.options}, "a draft that is the full pass is no candidate"
 
 
 @pytest.mark.parametrize("rules", ["cs", "cs+r2", "r1+r2", "admg"])
@@ -327,3 +346,68 @@ def test_the_measured_gate_follows_the_costs_it_is_given(tiny_llama, method):
     assert drafted["cheap"] > 0, drafted
     assert drafted["dear"] == exploring, drafted
     assert drafted["dear"] < drafted["cheap"], drafted
+
+
+# -- the draft that skips nothing: priced by what its head saves ------------------------------------
+
+
+def test_skipping_nothing_is_priced_by_its_head():
+    """A draft pass = base (embedding, norm, the draft's head) + the sublayers it keeps, the empty set too."""
+    prof = draft_head_profile(8, head_ms=0.5)
+    assert prof.draft_ratio(SkipSet()) == pytest.approx(0.65)
+    assert prof.draft_ratio(SkipSet.of([], [3])) == pytest.approx(0.65 - 6 * 7 / 64 / 10)
+    assert prof.pass_ms(1, SkipSet(), draft=True) == pytest.approx(6.5)
+    assert prof.pass_ms(1, SkipSet()) == pytest.approx(10.0), "a full pass keeps the full head"
+    assert no_draft_head_profile(8).draft_ratio(SkipSet()) == pytest.approx(1.0), "never above a full pass"
+
+
+NO_SKIP_COS = SublayerCosine(attention=(0.9,) * 8, mlp=(0.9,) * 8)  # every skip damages: the prior says so
+
+
+@pytest.mark.parametrize(("head_ms", "pays"), [(0.5, True), (3.9, False)])
+def test_the_policy_drafts_skipping_nothing_when_its_head_makes_it_pay(head_ms, pays):
+    """A draft head of 0.5 ms (c 0.65) accepted always: ASD drafts with the empty set; one of 3.9 ms (c 0.99):
+    the empty set is no candidate, and the damaged sets never pay: plain decoding."""
+    policy = AutoAsdPolicy(profile=draft_head_profile(8, head_ms))
+    policy.bind(fake_model(8))
+    policy.propose(NO_SKIP_COS, 8)
+    used = drive(policy, 200, lambda skip: 4 if skip.is_empty else 0)
+    if pays:
+        assert policy.choice.pays and policy.options[policy.choice.pick].skip == SkipSet()
+        assert len(used) > 150 and all(s == SkipSet() for s in used[-20:])
+    else:
+        assert SkipSet() not in {o.skip for o in policy.options}
+        assert not policy.choice.pays and len(used) < 40
+
+
+@pytest.mark.parametrize(("head_ms", "pays"), [(0.5, True), (3.9, False)])
+def test_swift_starts_from_skipping_nothing_when_its_head_makes_it_pay(tiny_llama, head_ms, pays):
+    """SWIFT's search starts from the empty set where the profile predicts it pays, else from uniform skipping."""
+    from selfspec.core import clock
+    from selfspec.policies.swift import uniform_skip_set
+
+    L = tiny_llama.num_layers
+    with clock.simulated(draft_head_profile(L, head_ms)):
+        session = selfspec.Session(tiny_llama, "swift", draft_dtype="same")
+        out = session.generate(PROMPTS[1], max_new_tokens=24)
+        assert out.token_ids == selfspec.generate(tiny_llama, PROMPTS[1], "vanilla", max_new_tokens=24).token_ids
+    start = SkipSet() if pays else uniform_skip_set(L)
+    assert session.skip_policy.state.best_set == start, "no search step yet (24 tokens < the 32-token window)"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_drafting_with_nothing_skipped_is_token_identical_to_vanilla(arch):
+    """The draft head's subset (its tokens, -inf elsewhere) never changes the output: greedy, and coupled."""
+    from selfspec.core import clock
+
+    model = tiny_model(arch)
+    with clock.simulated(draft_head_profile(model.num_layers, 0.5)):
+        session = selfspec.Session(model, "static", skip_set=SkipSet(), draft_dtype="same")
+        for prompt in PROMPTS:
+            base = selfspec.generate(model, prompt, "vanilla", max_new_tokens=32)
+            out = session.generate(prompt, max_new_tokens=32)
+            assert out.token_ids == base.token_ids, (arch, prompt)
+            assert out.stats.drafted > 0
+        kw = {"temperature": 0.8, "seed": 3}
+        base = selfspec.generate(model, PROMPTS[0], "vanilla", max_new_tokens=32, **kw)
+        assert session.generate(PROMPTS[0], max_new_tokens=32, **kw).token_ids == base.token_ids

@@ -96,6 +96,36 @@ def test_layer_skip_drafts_are_proposed_and_accepted_with_the_draft_vocabulary(s
     assert out.stats.drafted > 0 and out.stats.accepted > 0
 
 
+def test_a_draft_skipping_nothing_scores_the_subset_and_is_accepted(smollm2):
+    """engine.forward(draft=True) with nothing skipped: every sublayer, the head over the draft vocabulary only
+    (the full pass's logits on its rows), its tokens not joining the vocabulary; as a static draft it keeps
+    vanilla's tokens and nearly every drafted one is accepted."""
+    engine = smollm2.engine
+    vocab = engine.draft_vocab
+    ids = torch.tensor(smollm2.encode("A draft that skips nothing saves its head."))
+    cache = engine.new_cache(len(ids) + 8)
+    engine.forward(cache, ids, 0, prefill=True)
+    tok = torch.tensor([vocab_outsider(vocab)])
+    size = vocab.size
+    draft = engine.forward(cache, tok, len(ids), draft=True)
+    assert vocab.size == size, "a drafted token is no input of the full model"
+    member = vocab.member.clone()
+    full = engine.forward(cache, tok, len(ids))
+    assert bool(vocab.member[tok].all()), "... but the full model's input is"
+    assert torch.all(draft[:, ~member] == float("-inf"))
+    assert torch.equal(draft[:, member], full[:, member])
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    ref = selfspec.generate(smollm2, prompt, method="vanilla", max_new_tokens=32)
+    out = selfspec.generate(smollm2, prompt, method="static", skip_set=NO_SKIP, draft_length=4, max_new_tokens=32)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.drafted > 0 and out.stats.accepted >= 0.9 * out.stats.drafted
+
+
+def vocab_outsider(vocab) -> int:
+    """A token id outside the draft vocabulary."""
+    return int((~vocab.member).nonzero()[0])
+
+
 def test_int8_subset_rows_score_as_the_int8_full_head_does():
     """Under int8 activations the subset keeps an interleaved copy, updated as ids join and rebuilt as it grows:
     its rows score bit for bit as the full head's int8 product does."""

@@ -27,7 +27,9 @@ def test_profile_interpolates_and_predicts_draft_cost():
     assert prof.forward(3) == pytest.approx(21.0)
     assert prof.forward(12) == pytest.approx(60.0)
     assert prof.forward(24) == pytest.approx(120.0)  # extrapolated with the last slope
-    assert prof.draft_step(SkipSet()) == prof.forward(1)  # nothing skipped: a full pass, the whole head
+    # nothing skipped: still a draft, every sublayer and the draft's head (its base); never above a full pass
+    assert prof.draft_step(SkipSet()) == pytest.approx(2.0 + 10 * 1.5)
+    assert _profile(drafts={"same": DraftCosts(0.5, 1.0, 6.0, 1.0)}).draft_step(SkipSet()) == prof.forward(1)
     assert prof.draft_step(SkipSet.of([0, 1], [0])) == pytest.approx(2.0 + 8 * 0.5 + 9 * 1.0)
 
 

@@ -70,13 +70,14 @@ def given_profile(model: Any) -> Any:
     return _profile_for(model.engine, model)
 
 
-def charge(engine: Any, tokens: int, *, skip: Any, precision: Any) -> None:
-    """Advance the virtual clock by what a pass of ``engine`` over ``tokens`` rows costs (no-op when real)."""
+def charge(engine: Any, tokens: int, *, skip: Any, precision: Any, draft: bool = False) -> None:
+    """Advance the virtual clock by what a pass of ``engine`` over ``tokens`` rows costs (no-op when real);
+    ``draft``: a draft pass (its head scores the draft vocabulary, even with nothing skipped)."""
     global _virtual_s
     if _source is None:
         return
     prof = _profile_for(engine, None)  # made from the engine if no one asked for it yet
-    ms = prof.pass_ms(tokens, skip, precision)
+    ms = prof.pass_ms(tokens, skip, precision, draft=draft)
     with _lock:
         _virtual_s += ms / 1000.0
 

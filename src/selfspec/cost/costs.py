@@ -89,20 +89,24 @@ class CostProfile:
         return self.forward_ms[hi] + slope * (tokens - hi)
 
     def draft_step(self, skip: SkipSet, precision: str = "same") -> float:
-        """Predicted ms of a one-token draft pass with ``skip`` in ``precision`` (skipping nothing in the same
-        precision, the "draft" is a full pass: the whole head)."""
-        if precision == "same" and not skip.attention and not skip.mlp:
-            return self.forward(1)
+        """Predicted ms of a one-token draft pass with ``skip`` in ``precision``: the base (embedding, final
+        norm, the draft's head) plus the sublayers it keeps.  Skipping nothing it is still a draft: every
+        sublayer, but the head over the draft vocabulary only (core/draft_vocab.py), so it may cost well under
+        a full pass (Qwen2.5 0.5B: its 152k-row head is ~40% of a step).  In the model's own precision it is
+        never priced above a full pass (a model without a draft vocabulary drafts with the full head)."""
         c = self.drafts[precision]
         kept_attn = self.num_layers - len(skip.attention)
         kept_mlp = self.num_layers - len(skip.mlp)
-        return c.base_ms + kept_attn * c.attention_ms + kept_mlp * c.mlp_ms
+        ms = c.base_ms + kept_attn * c.attention_ms + kept_mlp * c.mlp_ms
+        return min(ms, self.forward(1)) if precision == "same" else ms
 
-    def pass_ms(self, tokens: int, skip: SkipSet, precision: torch.dtype | None = None) -> float:
-        """Predicted ms of any pass: a full one over ``tokens`` rows, or a draft (``skip``, ``precision``) whose
-        one-row cost grows with its rows as a full pass's does (the simulated clock's charge)."""
+    def pass_ms(self, tokens: int, skip: SkipSet, precision: torch.dtype | None = None, *,
+                draft: bool = False) -> float:  # fmt: skip
+        """Predicted ms of any pass: a full one over ``tokens`` rows, or a draft (``draft``, a skip set or a
+        ``precision``) whose one-row cost grows with its rows as a full pass's does (the simulated clock's
+        charge)."""
         ms = self.forward(tokens)
-        if skip.attention or skip.mlp or precision is not None:
+        if draft or skip.attention or skip.mlp or precision is not None:
             name = next((n for n, d in PRECISIONS.items() if d == precision and n in self.drafts), "same")
             ms *= self.draft_step(skip, name) / self.forward(1)
         return ms
@@ -379,12 +383,24 @@ def read_bound_profile(model_or_engine: Any) -> CostProfile:
     per_million = 1.0  # ms per million weights: the scale cancels in every ratio a decision reads
     attention = per_million * (2 * H * n_q * hd + 2 * H * n_kv * hd) / 1e6
     mlp = per_million * 3 * H * inter / 1e6
-    base = per_million * (int(engine.adapter.vocab_size) * H) / 1e6 + 0.02 * L * (attention + mlp)
+    layers = 0.02 * L * (attention + mlp)  # norms, residuals, rotary: a small share per layer
+    base = per_million * (int(engine.adapter.vocab_size) * H) / 1e6 + layers
     one = base + L * (attention + mlp)
     forward = {t: one * (1 + ROW_COST * (t - 1)) for t in GRID}
-    same = DraftCosts(attention, mlp, base, 1.0)
+    same = DraftCosts(attention, mlp, per_million * _draft_head_rows(engine) * H / 1e6 + layers, 1.0)
     drafts = {"same": same} | {name: same for name in PRECISIONS if name != "same"}  # no cheaper copies
     return CostProfile(f"read-bound-{L}x{H}", forward, drafts, L)
+
+
+def _draft_head_rows(engine: Any) -> int:
+    """Rows a draft's head reads: the draft vocabulary's starting size where the engine keeps one (a shape
+    figure: the subset grows with the tokens seen), else the whole vocabulary."""
+    vocab = int(engine.adapter.vocab_size)
+    if getattr(engine, "draft_vocab", None) is None:
+        return vocab
+    from ..core.draft_vocab import BASE_ROWS
+
+    return min(vocab, BASE_ROWS + BASE_ROWS // 2)
 
 
 def _main() -> None:  # pragma: no cover - a manual tool

@@ -311,7 +311,7 @@ def draft_round(
         parent = len(tokens) - 1
         ids = torch.tensor([tokens[parent]], dtype=torch.long, device=device)
         logits, vocab = engine.forward(cache, ids, start + parent, skip=skip, last_only=True, precision=precision,
-                                       subset=True)  # fmt: skip
+                                       subset=True, draft=True)  # fmt: skip
         if broken_draft(logits[-1]):
             if not chain_probs:
                 return None

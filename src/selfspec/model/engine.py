@@ -119,6 +119,7 @@ class Engine:
         prefill: bool = False,
         argmax_only: bool = False,
         subset: bool = False,
+        draft: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
 
@@ -137,6 +138,8 @@ class Engine:
         ``argmax_only``: the argmax token ids ``[T]`` instead of the logits (scoring a window of drafts).
         ``subset`` (drafts): ``(logits, ids)``, a draft's logits over the draft vocabulary only and their token
         ids (``ids`` None: the whole vocabulary), sparing a draft step the work on a ``[T, V]`` tensor.
+        ``draft``: a draft pass even with nothing skipped (its head scores the draft vocabulary, its tokens are
+        not the full model's input); a skip set, a draft precision or adapters make any pass a draft.
         ``prefill`` (the prompt, which every method passes alike) lets quantised products of many rows take a
         faster path whose rows are not bit-equal to one-token products (see :func:`selfspec.core.quant.bulk_rows`).
         """
@@ -145,22 +148,22 @@ class Engine:
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only,
                     cosine_out=cosine_out, visible=visible, precision=precision, input_embeds=input_embeds,
-                    adapters=adapters, argmax_only=argmax_only, subset=subset,
+                    adapters=adapters, argmax_only=argmax_only, subset=subset, draft=draft,
                 )  # fmt: skip
         if precision is not None or adapters is not None:
             with kernels.draft_precision(precision), kernels.draft_adapters(adapters):
                 return self.forward(
                     cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask,
                     last_only=last_only, cosine_out=cosine_out, visible=visible, input_embeds=input_embeds,
-                    argmax_only=argmax_only, subset=subset,
+                    argmax_only=argmax_only, subset=subset, draft=draft,
                 )  # fmt: skip
         T = input_ids.shape[0]
-        clock.charge(self, T, skip=skip, precision=kernels.active_draft_precision())  # simulated clock only
+        draft = draft or bool(skip.attention or skip.mlp) or kernels.active_draft_precision() is not None
+        draft = draft or kernels.active_draft_adapters() is not None
+        clock.charge(self, T, skip=skip, precision=kernels.active_draft_precision(), draft=draft)  # simulated only
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
         adapter = self.adapter
-        draft = bool(skip.attention or skip.mlp) or kernels.active_draft_precision() is not None
-        draft = draft or kernels.active_draft_adapters() is not None
         if self.draft_vocab is not None and not draft and input_embeds is None:
             self.draft_vocab.add(input_ids)  # tokens the full model is fed: the prompt, verified tokens
         h = adapter.embed(input_ids.view(1, T)) if input_embeds is None else input_embeds.view(1, T, -1)

@@ -10,7 +10,10 @@ among a small family of ADMG configurations:
   crossed with rule-2 guards n in {2, 3, 4} and a cosine threshold alpha set
   at a quantile of the prompt's attention-cosine profile, so that a share
   s in {0, 1/8, 1/4, 1/2, 3/4} of the unguarded attention sublayers (those
-  with the highest cosine) is skipped.  A key (s, m, n) means the same rule on
+  with the highest cosine) is skipped.  Share 0 without rule 1 skips nothing:
+  a draft that runs every sublayer and saves only its head (the draft
+  vocabulary's rows), a candidate where the profile prices it under a full
+  pass (Qwen2.5 0.5B: c ~0.6, acceptance ~1).  A key (s, m, n) means the same rule on
   every prompt; its skip set follows each prompt's profile.  On a prompt the
   candidates are ordered from conservative (dear draft steps) to aggressive.
 * **Costs**: c = the cost profile's draft step for the set / one full step,
@@ -28,6 +31,10 @@ among a small family of ADMG configurations:
   Estimate a = (hits + w0 * a0) / (trials + w0).
 * **Expected speedup** (SWIFT's chain model, :func:`expected_speedup`):
   E(a, c) = max over k <= max_draft of (1 - a^(k+1)) / (1 - a) / (k c + V_k).
+* **Draft length**: D&V's adaptive exit (the drafter's), but for the set
+  that skips nothing: its draft is the full model's up to the draft
+  vocabulary, kept whatever its confidence, so it drafts the k at which E
+  peaks (:func:`best_draft_length`).
 * **Choice**: the candidate with the best E at the estimate; among it and its
   ``reach`` neighbours in the order, the one with the best E at an upper
   confidence bound a + kappa * sqrt(a (1 - a) / (trials + w0)) drafts, if that
@@ -59,6 +66,9 @@ SHARES = (0.0, 0.125, 0.25, 0.5, 0.75)
 PERIODS: tuple[int | None, ...] = (None, 6, 4, 3)
 GUARDS = (2, 3, 4)
 MAX_ACCEPTANCE = 0.95  # no prior promises more than this per token
+# Skipping nothing, a draft saves only its head (the draft vocabulary's rows: core/draft_vocab.py); one priced at
+# this share of a full pass or more saves nothing (no draft vocabulary) and is no candidate.
+FULL_PASS = 0.98
 
 
 @dataclass(frozen=True)
@@ -138,13 +148,23 @@ def expected_speedup(acceptance: float, cost: float, verify: list[float]) -> flo
     ``cost``: draft step / full step; ``verify[k-1]``: a full pass over k+1 tokens / a one-token pass.
     k drafted tokens earn (1 - a^(k+1)) / (1 - a) tokens for k c + V_k; the best k is taken.
     """
+    return _best_chain(acceptance, cost, verify)[0]
+
+
+def best_draft_length(acceptance: float, cost: float, verify: list[float]) -> int:
+    """The k at which :func:`expected_speedup` peaks."""
+    return _best_chain(acceptance, cost, verify)[1]
+
+
+def _best_chain(acceptance: float, cost: float, verify: list[float]) -> tuple[float, int]:
     a = min(max(acceptance, 0.0), 0.999)
-    best, tokens, power = 0.0, 1.0, 1.0
+    best, best_k, tokens, power = 0.0, 1, 1.0, 1.0
     for k, v in enumerate(verify, start=1):
         power *= a
         tokens += power
-        best = max(best, tokens / (k * cost + v))
-    return best
+        if tokens / (k * cost + v) > best:
+            best, best_k = tokens / (k * cost + v), k
+    return best, best_k
 
 
 @dataclass(frozen=True)
@@ -191,6 +211,7 @@ class DraftGate:
     def __init__(self, inner: Any, gate: Callable[[], bool] | None = None) -> None:
         self.inner = inner
         self.gate = gate
+        self.length: int | None = None  # set by the policy: draft exactly this many tokens (None: inner decides)
 
     @property
     def max_draft(self) -> int:
@@ -202,6 +223,8 @@ class DraftGate:
         return self.inner.begin_round()
 
     def should_stop(self, drafted: int, top1_prob: float) -> bool:
+        if self.length is not None:
+            return drafted >= min(self.length, self.inner.max_draft)
         return self.inner.should_stop(drafted, top1_prob)
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -292,6 +315,7 @@ class AutoAsdPolicy:
         self._open = False  # this round drafts
         self._current: int | None = None  # the option used this round
         self._drafter = None
+        self._gate: DraftGate | None = None
 
     @property
     def needs_profile(self) -> bool:
@@ -314,8 +338,9 @@ class AutoAsdPolicy:
         max_draft = int(getattr(drafter, "max_draft", 12))
         one = self.profile.forward(1)
         self._verify = [self.profile.forward(k + 1) / one for k in range(1, max_draft + 1)]
-        if isinstance(getattr(drafter, "length", None), DraftGate):
-            drafter.length.gate = self.drafting
+        self._gate = drafter.length if isinstance(getattr(drafter, "length", None), DraftGate) else None
+        if self._gate is not None:
+            self._gate.gate = self.drafting
         self._drafter = drafter  # its economy measures what draft steps and verifications really cost
 
     def drafting(self) -> bool:
@@ -366,10 +391,11 @@ class AutoAsdPolicy:
         profile, seen, options = self.profile, set(), []
         for key in candidate_keys(self.config.rules):
             skip = key.skip_set(cosine).validate(num_layers)
-            if skip in seen or (skip.is_empty and self._precision == "same"):  # the full model drafting never pays
+            cost = profile.draft_ratio(skip, self._precision)
+            if skip in seen or (skip.is_empty and cost >= FULL_PASS):  # a draft that is the full pass never pays
                 continue
             seen.add(skip)
-            options.append(Option(key, skip, profile.draft_ratio(skip, self._precision), damage(skip, cosine)))
+            options.append(Option(key, skip, cost, damage(skip, cosine)))
         options.sort(key=lambda o: (-o.cost, o.damage))
         self.options = options
 
@@ -391,3 +417,7 @@ class AutoAsdPolicy:
         if choice.pays and econ is not None and econ.drafting_loses():
             choice = replace(choice, pays=False)  # predicted to pay, measured to lose: explore only
         self.choice = choice
+        if self._gate is not None:  # a draft skipping nothing is kept whatever its confidence: draft the best k
+            pick = self.options[choice.pick]
+            best_k = best_draft_length(estimates[choice.pick][0], pick.cost * cost_scale, self._verify)
+            self._gate.length = best_k if pick.skip.is_empty else None

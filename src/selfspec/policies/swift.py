@@ -168,26 +168,37 @@ class SwiftPolicy:
     def bind(self, model, drafter=None) -> None:
         """Before a prompt: load the saved state for this model (once), learn the draft costs."""
         self._drafter = drafter
-        key = _model_key(model)
-        if self.state is None or self._model_key != key:
-            self._model_key = key
-            self.state = self._load(key, model.num_layers) or self._fresh_state(model)
-            self._optimizer = None
         if self._drafter is not None:
             self._precision_name = self._drafter.precision(model)
         if self.config.objective == "speed" and self._profile is None:
             from ..cost.costs import cost_profile
 
             self._profile = cost_profile(model)
+        key = _model_key(model)
+        if self.state is None or self._model_key != key:
+            self._model_key = key
+            self.state = self._load(key, model.num_layers) or self._fresh_state(model)
+            self._optimizer = None
         self._last_round_end = None
 
     def _fresh_state(self, model) -> SwiftState:
         L = model.num_layers
         start = uniform_skip_set(L)
-        # With drafts in a cheaper precision the full draft is already cheap and nearly always right: start there.
-        if self.config.adaptive and self._drafter is not None and self._drafter.torch_dtype(model) is not None:
+        # A draft skipping nothing is cheap and nearly always right when its weights are in a cheaper precision,
+        # or when its head scores the draft vocabulary and the profile predicts it pays: start there.
+        cheap_dtype = self._drafter is not None and self._drafter.torch_dtype(model) is not None
+        if self.config.adaptive and (cheap_dtype or self._full_draft_pays()):
             start = SkipSet()
         return SwiftState(L, {"attention": sorted(start.attention), "mlp": sorted(start.mlp)})
+
+    def _full_draft_pays(self) -> bool:
+        """Whether the profile predicts a draft skipping nothing (its head over the draft vocabulary) to pay
+        at the acceptance its precision agrees with the full model."""
+        prof = self._profile
+        if prof is None:
+            return False
+        name = self._precision_name if self._precision_name in prof.drafts else "same"
+        return predicted_speedup(prof, SkipSet(), prof.drafts[name].agreement, name) > 1.0
 
     def _load(self, key: str, num_layers: int) -> SwiftState | None:
         if self.state_path is None or not self.state_path.is_file():
@@ -348,7 +359,7 @@ class SwiftPolicy:
         # for one row on CPU but slow for 32 (376 vs 160 ms), and both precisions agree on ~99% of tokens.
         # prefill=True: a window of rows may take the quantised products' faster bulk path (a score, not output)
         guess = engine.forward(ctx.cache, window, ctx.cache.length, positions=positions, skip=skip, visible=S,
-                               argmax_only=True, prefill=True)  # fmt: skip
+                               argmax_only=True, prefill=True, draft=True)  # fmt: skip
         return float((guess == target).float().mean())
 
     def _objective(self, skip: SkipSet, matchness: float) -> float:
