@@ -121,6 +121,34 @@ def test_a_draft_skipping_nothing_scores_the_subset_and_is_accepted(smollm2):
     assert out.stats.drafted > 0 and out.stats.accepted >= 0.9 * out.stats.drafted
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_the_vocab_method_verifies_by_the_head_alone_and_keeps_vanillas_tokens(name, request):
+    """Method ``vocab``: the whole model drafts over its draft vocabulary; each round's full logits come from the
+    full head over the draft passes' own hidden states (no verification pass).  Greedy and seeded coupled
+    sampling give vanilla's tokens; tokens outside the vocabulary at first join it as they are verified."""
+    from selfspec.decoding import loop
+
+    model = request.getfixturevalue(name)
+    passes = []
+    real = loop.engine_pass
+    loop.engine_pass = lambda engine, item: passes.append(item) or real(engine, item)
+    try:
+        for prompt in ("The capital of France is", "def fibonacci(n):\n    "):
+            passes.clear()
+            ref = selfspec.generate(model, prompt, "vanilla", max_new_tokens=40)
+            assert len(passes) == len(ref.token_ids) - 1, "the hook sees every verification pass"
+            passes.clear()
+            out = selfspec.generate(model, prompt, "vocab", max_new_tokens=40)
+            assert out.token_ids == ref.token_ids
+            assert out.stats.drafted > 0 and out.stats.accepted > 0
+            assert not any(len(p.input_ids) > 1 for p in passes), "no verification pass over drafted tokens"
+        kw = {"temperature": 0.8, "top_p": 0.95, "seed": 5}
+        ref = selfspec.generate(model, "Once upon a time", "vanilla", max_new_tokens=40, **kw)
+        assert selfspec.generate(model, "Once upon a time", "vocab", max_new_tokens=40, **kw).token_ids == ref.token_ids
+    finally:
+        loop.engine_pass = real
+
+
 def vocab_outsider(vocab) -> int:
     """A token id outside the draft vocabulary."""
     return int((~vocab.member).nonzero()[0])

@@ -86,6 +86,14 @@ def _asd_drafter(opts: dict[str, Any]) -> Drafter:
     return drafter
 
 
+class VocabDrafter(Drafter):
+    """Method ``vocab``: drafts that skip nothing, made only where the model has a draft vocabulary (elsewhere
+    such a draft is the full model itself, which saves nothing: plain rounds)."""
+
+    def draft(self, model, *args, **kwargs):
+        return None if model.engine.draft_vocab is None else super().draft(model, *args, **kwargs)
+
+
 def _static(opts: dict[str, Any]) -> StaticPolicy:
     skip = opts.get("skip_set")
     if skip is None:
@@ -125,6 +133,13 @@ METHODS: dict[str, MethodSpec] = {
         "a fixed skip set given as a JSON file or literal (Self-SD style)",
         {"skip_set": "JSON file path or literal, or a SkipSet", **DRAFT_OPTIONS},
         _static,
+    ),
+    "vocab": MethodSpec(
+        "vocab",
+        "the whole model drafts, scoring only its draft vocabulary; the full head alone verifies (large vocabularies)",
+        {k: v for k, v in DRAFT_OPTIONS.items() if k != "draft_dtype"},
+        lambda opts: StaticPolicy(SkipSet.of([], [])),
+        lambda opts: VocabDrafter(_chain_drafter(opts).length, None, "same"),
     ),
 }
 

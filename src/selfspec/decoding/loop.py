@@ -263,7 +263,11 @@ class Decoder:
                 t2 = clock.now()
                 # 2. verify every candidate in one full-model forward
                 tree = outcome.tree if outcome is not None else None
-                logits = self._verify(cache, c, token, tree)  # [T, V]
+                if outcome is not None and outcome.logits is not None and self._batcher is None:
+                    logits = outcome.logits  # the draft was the full model's own steps: its head verified them
+                    check_finite(logits, "verification")
+                else:
+                    logits = self._verify(cache, c, token, tree)  # [T, V]
                 # 3. accept the longest path the full model agrees with (or keeps), plus its next token
                 path, bonus, choices = self._accept(tree, logits, history)
                 if choices is not None and self._verified is not None:  # lookahead's next Jacobi iteration

@@ -300,6 +300,13 @@ def draft_round(
     the round falls back to plain decoding.
     """
     device = engine.device
+    # a draft that skips nothing in the model's own precision is the full model's one-token step with a smaller
+    # head: its hidden states are a verification's, and only the full head is left to score them
+    head_only = not skip.attention and not skip.mlp and precision is None and engine.draft_vocab is not None
+    hidden: list | None = [] if head_only else None
+    if head_only:
+        tree = None  # a chain: each node's full logits come from its own draft pass
+        engine.draft_vocab.add(torch.tensor([root]))  # the verified token a verification pass would have added
     first_t = sampler.position(len(history))  # output position of the first drafted token
     tokens, parents = [root], [-1]
     qs: list[torch.Tensor | None] = [None]  # per node: the draft distribution its children were drawn from
@@ -311,7 +318,7 @@ def draft_round(
         parent = len(tokens) - 1
         ids = torch.tensor([tokens[parent]], dtype=torch.long, device=device)
         logits, vocab = engine.forward(cache, ids, start + parent, skip=skip, last_only=True, precision=precision,
-                                       subset=True, draft=True)  # fmt: skip
+                                       subset=True, draft=True, hidden_out=hidden)  # fmt: skip
         if broken_draft(logits[-1]):
             if not chain_probs:
                 return None
@@ -340,7 +347,14 @@ def draft_round(
             parents.append(chain_node)
             qs.append(None)
     tree_q = tuple(qs) if sampler.records_q else ()
-    return DraftOutcome(DraftTree(tuple(tokens), tuple(parents), tree_q), chain_probs, leaf_probs, len(chain_probs))
+    outcome = DraftOutcome(DraftTree(tuple(tokens), tuple(parents), tree_q), chain_probs, leaf_probs, len(chain_probs))
+    if head_only:  # one more step over the last drafted token, then the full head over every node's state
+        last = torch.tensor([tokens[-1]], dtype=torch.long, device=device)
+        engine.forward(cache, last, start + len(tokens) - 1, last_only=True, subset=True, draft=True,
+                       hidden_out=hidden)  # fmt: skip
+        outcome.logits = engine.head_logits(hidden[: len(tokens)])
+        outcome.passes = len(tokens)
+    return outcome
 
 
 # -- the drafter: policies, precision and economy of one method ----------------------------------

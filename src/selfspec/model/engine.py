@@ -120,6 +120,7 @@ class Engine:
         argmax_only: bool = False,
         subset: bool = False,
         draft: bool = False,
+        hidden_out: list | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
 
@@ -136,6 +137,8 @@ class Engine:
         linear layers (see :func:`selfspec.core.kernels.draft_adapters`).
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
         ``argmax_only``: the argmax token ids ``[T]`` instead of the logits (scoring a window of drafts).
+        ``hidden_out``: a list that receives the final hidden states ``[1, T, H]`` (the last row only with
+        ``last_only``), for :meth:`head_logits`.
         ``subset`` (drafts): ``(logits, ids)``, a draft's logits over the draft vocabulary only and their token
         ids (``ids`` None: the whole vocabulary), sparing a draft step the work on a ``[T, V]`` tensor.
         ``draft``: a draft pass even with nothing skipped (its head scores the draft vocabulary, its tokens are
@@ -172,9 +175,18 @@ class Engine:
         if self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None:
             prompt = prefill and quant.prefill_kernel() == "gemm"  # (the other prompt kernels never get here)
             h = self._fused_pass(h, cache, start, skip, ropes, masks, cosine_out, prompt)
-            return self._head(h, last_only, argmax_only, draft, subset)
-        return self._head(self._module_pass(h, cache, start, skip, ropes, masks, cosine_out), last_only, argmax_only,
-                          draft, subset)  # fmt: skip
+        else:
+            h = self._module_pass(h, cache, start, skip, ropes, masks, cosine_out)
+        if hidden_out is not None:
+            hidden_out.append(h[:, -1:] if last_only else h)
+        return self._head(h, last_only, argmax_only, draft, subset)
+
+    @_exclusive
+    @torch.inference_mode()
+    def head_logits(self, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """The full model's logits ``[T, V]`` of final hidden states (``[1, t, H]`` each, as ``hidden_out`` of
+        :meth:`forward` collects them), in one head product."""
+        return self._head(torch.cat(hidden, dim=1), False, False)
 
     @_exclusive
     @torch.inference_mode()
