@@ -68,6 +68,8 @@ results: install
 		--temperature 0.7 --top-p 0.9 --seed 0 --out docs/results/specbench-t0.7-gemma3-270m
 	$(BENCH) --model smollm2-135m $(PEERS) --out docs/results/specbench-peers-smollm2-135m
 	$(BENCH) --model gemma3-270m $(PEERS) --out docs/results/specbench-peers-gemma3-270m
+	$(BIN)/selfspec bench --model smollm2-135m --dataset spec-bench --limit 6 --clients 4 --requests 8 \
+		--methods vanilla,auto,llamacpp --max-new-tokens 64 --llama-cpp $(LLAMA_CPP) --out docs/results/load-smollm2-135m
 
 lint: install
 	$(BIN)/ruff check src tests
