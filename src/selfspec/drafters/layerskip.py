@@ -300,13 +300,9 @@ def draft_round(
     the round falls back to plain decoding.
     """
     device = engine.device
-    # a draft that skips nothing in the model's own precision is the full model's one-token step with a smaller
-    # head: its hidden states are a verification's, and only the full head is left to score them
-    head_only = not skip.attention and not skip.mlp and precision is None and engine.draft_vocab is not None
-    hidden: list | None = [] if head_only else None
-    if head_only:
+    hidden = _head_only_states(engine, skip, precision, root)
+    if hidden is not None:
         tree = None  # a chain: each node's full logits come from its own draft pass
-        engine.draft_vocab.add(torch.tensor([root]))  # the verified token a verification pass would have added
     first_t = sampler.position(len(history))  # output position of the first drafted token
     tokens, parents = [root], [-1]
     qs: list[torch.Tensor | None] = [None]  # per node: the draft distribution its children were drawn from
@@ -348,13 +344,30 @@ def draft_round(
             qs.append(None)
     tree_q = tuple(qs) if sampler.records_q else ()
     outcome = DraftOutcome(DraftTree(tuple(tokens), tuple(parents), tree_q), chain_probs, leaf_probs, len(chain_probs))
-    if head_only:  # one more step over the last drafted token, then the full head over every node's state
-        last = torch.tensor([tokens[-1]], dtype=torch.long, device=device)
-        engine.forward(cache, last, start + len(tokens) - 1, last_only=True, subset=True, draft=True,
-                       hidden_out=hidden)  # fmt: skip
-        outcome.logits = engine.head_logits(hidden[: len(tokens)])
-        outcome.passes = len(tokens)
+    if hidden is not None:
+        _verify_by_head(engine, cache, start, outcome, hidden)
     return outcome
+
+
+def _head_only_states(engine, skip: SkipSet, precision: torch.dtype | None, root: int) -> list | None:
+    """A list for the draft passes' hidden states when the draft can be verified by the full head alone (None
+    otherwise): a draft that skips nothing in the model's own precision is the full model's one-token step with
+    a smaller head (the draft vocabulary's), so its hidden states are a verification's."""
+    if skip.attention or skip.mlp or precision is not None or engine.draft_vocab is None:
+        return None
+    engine.draft_vocab.add(torch.tensor([root]))  # the verified token a verification pass would have added
+    return []
+
+
+def _verify_by_head(engine, cache, start: int, outcome: DraftOutcome, hidden: list) -> None:
+    """One more step over the last drafted token, then the full head over every node's hidden state: the
+    round's full logits, as a verification pass would give them (``outcome.logits``)."""
+    tokens = outcome.tree.tokens
+    last = torch.tensor([tokens[-1]], dtype=torch.long, device=engine.device)
+    engine.forward(cache, last, start + len(tokens) - 1, last_only=True, subset=True, draft=True,
+                   hidden_out=hidden)  # fmt: skip
+    outcome.logits = engine.head_logits(hidden[: len(tokens)])
+    outcome.passes = len(tokens)
 
 
 # -- the drafter: policies, precision and economy of one method ----------------------------------
