@@ -12,9 +12,9 @@ import torch
 
 from selfspec.api import Session
 from selfspec.core.sampling import SamplingParams
-from selfspec.cost import batch_share
 from selfspec.cost.costs import CostProfile, DraftCosts
 from selfspec.cost.economy import Economy
+from selfspec.decoding import batch_share
 from selfspec.decoding.batch import StepBatcher
 from selfspec.model.engine import BatchItem
 from selfspec.server.worker import default_parallel

@@ -20,14 +20,14 @@ three measured ingredients:
 
 One economy lives as long as its :class:`~selfspec.Session`, so what it learns
 carries over between prompts.  In a batch of concurrent requests a token is worth the round's time shared
-by its sequences, and verified rows cost what they add beside the others' (:mod:`.batch_share`).
+by its sequences, and verified rows cost what they add beside the others' (:mod:`selfspec.decoding.batch_share`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import batch_share
+from ..decoding import batch_share
 from .costs import CostProfile
 
 
@@ -95,8 +95,9 @@ class Economy:
             self.draft_ms = draft_ms_predicted
 
     def verify_ms(self, tokens: int) -> float:
-        """A verification over ``tokens`` rows; in a batch of concurrent requests (:mod:`.batch_share`) what
-        those rows add beside the others' (the same for one row, so plain rounds keep their price)."""
+        """A verification over ``tokens`` rows; in a batch of concurrent requests
+        (:mod:`selfspec.decoding.batch_share`) what those rows add beside the others' (the same for one row, so
+        plain rounds keep their price)."""
         beside, forward = batch_share.current().rows_beside, self.profile.forward
         if beside == 0:
             return self.verify_scale * forward(tokens)

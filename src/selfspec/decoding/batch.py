@@ -10,7 +10,7 @@ goes away, so the batch is continuous.
 
 Outputs do not depend on the company: ``forward_batch`` gives each sequence's rows bit for bit what a pass of
 its own gives, so greedy and seeded sampling produce per request the tokens it gets alone.  After each round
-the batch's shape is recorded for the thread (:mod:`selfspec.cost.batch_share`), where the drafters'
+the batch's shape is recorded for the thread (:mod:`selfspec.decoding.batch_share`), where the drafters'
 economies price the next draft by it.
 
 Run it as a server does: ``selfspec serve --parallel 4`` (see :mod:`selfspec.server.worker`).
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cost import batch_share
 from ..model.engine import BatchItem, Engine
+from . import batch_share
 
 
 @dataclass

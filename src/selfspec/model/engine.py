@@ -146,20 +146,15 @@ class Engine:
         ``prefill`` (the prompt, which every method passes alike) lets quantised products of many rows take a
         faster path whose rows are not bit-equal to one-token products (see :func:`selfspec.core.quant.bulk_rows`).
         """
+        again = dict(positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only, cosine_out=cosine_out,
+                     visible=visible, input_embeds=input_embeds, argmax_only=argmax_only, subset=subset, draft=draft,
+                     hidden_out=hidden_out)  # fmt: skip
         if prefill and (quant.prefill_has_own_kernel() or not self.fused):  # the fused stack runs its own
             with quant.bulk_rows():
-                return self.forward(
-                    cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only,
-                    cosine_out=cosine_out, visible=visible, precision=precision, input_embeds=input_embeds,
-                    adapters=adapters, argmax_only=argmax_only, subset=subset, draft=draft,
-                )  # fmt: skip
+                return self.forward(cache, input_ids, start, precision=precision, adapters=adapters, **again)
         if precision is not None or adapters is not None:
             with kernels.draft_precision(precision), kernels.draft_adapters(adapters):
-                return self.forward(
-                    cache, input_ids, start, positions=positions, skip=skip, tree_mask=tree_mask,
-                    last_only=last_only, cosine_out=cosine_out, visible=visible, input_embeds=input_embeds,
-                    argmax_only=argmax_only, subset=subset, draft=draft,
-                )  # fmt: skip
+                return self.forward(cache, input_ids, start, **again)
         T = input_ids.shape[0]
         draft = draft or bool(skip.attention or skip.mlp) or kernels.active_draft_precision() is not None
         draft = draft or kernels.active_draft_adapters() is not None
