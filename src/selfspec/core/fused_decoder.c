@@ -343,6 +343,15 @@ static void weighted_dims(int R, int kv16, const float *p, long pstride, const l
  *     lane_sum() does;
  *   out_r[d] = sum over i of p_r[i] * value list[i] [d], by fused multiply-adds in key order from 0.
  * The rows share each key's and value's load and widening. */
+/* A call of CALL(R) with R as a compile-time constant (1-4): each row count gets its own unrolled kernel */
+#define ROWS_SWITCH(R, CALL) \
+    switch (R) {             \
+        case 4: CALL(4); break; \
+        case 3: CALL(3); break; \
+        case 2: CALL(2); break; \
+        default: CALL(1); break; \
+    }
+
 #if defined(__AVX512F__)
 static inline __m512 kv_load(const void *base, long i, int kv16) {
     return kv16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)kv_at(base, i, 1)))
@@ -442,23 +451,6 @@ static inline __attribute__((always_inline)) void weighted_block(const int R, co
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * hd + d0 + 16 * c, acc[r][c]);
-}
-
-#define ROWS_SWITCH(R, CALL) \
-    switch (R) {             \
-        case 4: CALL(4); break; \
-        case 3: CALL(3); break; \
-        case 2: CALL(2); break; \
-        default: CALL(1); break; \
-    }
-
-static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
-                   float *p, long pstride, float *mx) {
-#define SCORES(N) \
-    (kv16 ? scores_rows(N, 1, q, kc, hd, list, m, scaling, p, pstride, mx) \
-          : scores_rows(N, 0, q, kc, hd, list, m, scaling, p, pstride, mx))
-    ROWS_SWITCH(R, SCORES)
-#undef SCORES
 }
 
 static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
@@ -616,23 +608,6 @@ static inline __attribute__((always_inline)) void weighted_block(const int R, co
         for (int c = 0; c < NV; c++) _mm256_storeu_ps(out + r * hd + d0 + 8 * c, acc[r][c]);
 }
 
-#define ROWS_SWITCH(R, CALL) \
-    switch (R) {             \
-        case 4: CALL(4); break; \
-        case 3: CALL(3); break; \
-        case 2: CALL(2); break; \
-        default: CALL(1); break; \
-    }
-
-static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
-                   float *p, long pstride, float *mx) {
-#define SCORES(N) \
-    (kv16 ? scores_rows(N, 1, q, kc, hd, list, m, scaling, p, pstride, mx) \
-          : scores_rows(N, 0, q, kc, hd, list, m, scaling, p, pstride, mx))
-    ROWS_SWITCH(R, SCORES)
-#undef SCORES
-}
-
 static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
                             long hd, float *out) {
     const long width = R == 1 ? 64 : R == 2 ? 32 : 16;
@@ -667,6 +642,18 @@ static void scores(int R, int kv16, const float *q, const void *kc, long hd, con
 static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
                             long hd, float *out) {
     weighted_dims(R, kv16, p, pstride, list, m, vc, 0, hd, out);
+}
+#endif
+
+#if defined(__AVX512F__) || defined(FUSED_AVX2)
+/* The vector builds' scores: scores_rows of this build, by row count and cache entry type */
+static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
+                   float *p, long pstride, float *mx) {
+#define SCORES(N) \
+    (kv16 ? scores_rows(N, 1, q, kc, hd, list, m, scaling, p, pstride, mx) \
+          : scores_rows(N, 0, q, kc, hd, list, m, scaling, p, pstride, mx))
+    ROWS_SWITCH(R, SCORES)
+#undef SCORES
 }
 #endif
 
