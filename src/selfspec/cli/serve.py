@@ -64,7 +64,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(worker, api_key=args.api_key, limits=Limits(max_tokens=args.max_tokens))
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"selfspec serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    print(f"selfspec serve: {model.name}, method {args.method}, {parallel} parallel, {worker.prefix_cache_line()}, on "
-          f"http://{args.host}:{args.port}/ (playground at /, OpenAI API under /v1)", file=sys.stderr)  # fmt: skip
+    chunks = f" (prompts read in the batch, {worker.batcher.prompt_chunk} rows a pass)" if worker.batcher else ""
+    print(f"selfspec serve: {model.name}, method {args.method}, {parallel} parallel{chunks}, "
+          f"{worker.prefix_cache_line()}, on http://{args.host}:{args.port}/ (playground at /, OpenAI API under /v1)",
+          file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

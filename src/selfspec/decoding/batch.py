@@ -1,10 +1,12 @@
 """Concurrent decodings verified together: the batch stage of a server with several slots.
 
 Each request decodes in its own thread with the ordinary loop (:class:`selfspec.decoding.loop.Decoder`); its
-drafts and its prompt's prefill run alone, one pass at a time on the shared engine.  Its verification pass
-instead goes through a :class:`StepBatcher`: the pass waits until every decoding registered with the batcher
-has its own verification ready (or has left), and one of them then runs all of them in one
-:meth:`~selfspec.model.engine.Engine.forward_batch`: the weights are read once for every row.  A request joins
+drafts run alone, one pass at a time on the shared engine.  Its verification passes, and its prompt's prefill
+in chunks of ``prompt_chunk`` rows where prompt rows are computed as one-token rows, instead go through a
+:class:`StepBatcher`: the pass waits until every decoding registered with the batcher has its own pass ready
+(or has left), and one of them then runs all of them in one
+:meth:`~selfspec.model.engine.Engine.forward_batch`: the weights are read once for every row, and a new
+request's prompt no longer stops the others' decoding while it is read.  A request joins
 between rounds (its first verification meets the others' next one) and leaves when it ends or its client
 goes away, so the batch is continuous.
 
@@ -53,8 +55,11 @@ class BatchStats:
 class StepBatcher:
     """Verification passes of the decodings registered with :meth:`member`, run together (module docstring)."""
 
-    def __init__(self, engine: Engine) -> None:
+    PROMPT_CHUNK = 32  # prompt rows per pass when a member prefills in the batch (the server sets it per model)
+
+    def __init__(self, engine: Engine, *, prompt_chunk: int = PROMPT_CHUNK) -> None:
         self.engine = engine
+        self.prompt_chunk = prompt_chunk  # a prompt's rows per batch pass (loop.prefill's chunks)
         self.stats = BatchStats()
         self._cond = threading.Condition()
         self._members = 0

@@ -97,13 +97,16 @@ class Prefill:
 
 def prefill(
     model: Model, prompt_ids: list[int], *, max_new_tokens: int = 1, max_nodes: int = 1, cosine: bool = False,
-    store: PrefixStore | None = None,
+    store: PrefixStore | None = None, batcher: StepBatcher | None = None,
 ) -> Prefill:
     """Run the full model over ``prompt_ids`` once, with room for decodings up to ``max_new_tokens``.
 
     ``max_nodes``: the most tokens one verification pass of the decodings will hold.  ``store``: the longest
     prefix of the prompt cached there is copied in and only the rest runs (at least the last token), giving
-    the bits a whole prefill gives (:mod:`selfspec.core.prefix_store`).
+    the bits a whole prefill gives (:mod:`selfspec.core.prefix_store`).  ``batcher`` (a decoding of a server
+    with several slots): where prompt rows are computed as one-token rows (``Engine.prompt_rows_exact``), the
+    prompt runs in chunks inside the batch's passes, beside the other requests' rounds, which then go on
+    while it prefills (same bits as a whole prefill); a prefill measuring ASD's statistic runs alone.
     """
     check_lengths(model, len(prompt_ids), max_new_tokens)
     engine = model.engine
@@ -115,8 +118,11 @@ def prefill(
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
     if start and engine.draft_vocab is not None:
         engine.draft_vocab.add(ids[:start])  # the prompt tokens a whole prefill would have shown it
-    logits = engine.forward(cache, ids[start:], start, last_only=True, cosine_out=out if measure else None,
-                            prefill=True)  # fmt: skip
+    if batcher is not None and not measure and engine.prompt_rows_exact:
+        logits = _prefill_in_batches(batcher, cache, ids, start)
+    else:
+        logits = engine.forward(cache, ids[start:], start, last_only=True, cosine_out=out if measure else None,
+                                prefill=True)  # fmt: skip
     check_finite(logits[-1], "prefill")
     cache.commit(len(prompt_ids))
     pf = Prefill(tuple(prompt_ids), cache, int(logits[-1].argmax()), None, logits[-1], start,
@@ -132,6 +138,18 @@ def prefill(
     if hit.cosine_upto < start:  # reused positions no prefill measured (an earlier answer): after the first token
         return replace(pf, pending=(hit.cosine_upto, start, sums))
     return replace(pf, cosine=_mean(sums, n), marks={**pf.marks, n: sums})
+
+
+def _prefill_in_batches(batcher: StepBatcher, cache: KVCache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Prompt positions ``[start, len(ids))`` in chunks of the batcher's ``prompt_chunk`` rows, each chunk in
+    one of the batch's passes (the rest in one pass while no other request decodes); the last row's logits."""
+    step, n, a, logits = max(1, batcher.prompt_chunk), ids.shape[0], start, None
+    while a < n:
+        b = n if batcher.members <= 1 else min(n, a + step)
+        logits = batcher.forward(BatchItem(cache, ids[a:b], a, last_only=True))
+        a = b
+    assert logits is not None
+    return logits
 
 
 def measure_pending(model: Model, pf: Prefill) -> Prefill:
@@ -300,7 +318,8 @@ class Decoder:
         """The prompt's full-model prefill (unless given) and the first new token."""
         N, S = self.max_new_tokens, len(self.prompt_ids)
         pf = self.prefill or prefill(self.model, self.prompt_ids, max_new_tokens=N, max_nodes=self._max_nodes,
-                                     cosine=self._wants_cosine, store=self.prefix_store)  # fmt: skip
+                                     cosine=self._wants_cosine, store=self.prefix_store,
+                                     batcher=self._batcher)  # fmt: skip
         self._reused = pf.reused
         self._sampler = Sampler(self.sampling, pf.last_logits.shape[-1], prompt_len=S, device=self.model.engine.device)
         token = pf.first_token if self.sampling.greedy else self._sampler.next_token(pf.last_logits, pf.prompt_ids)

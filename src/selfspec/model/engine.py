@@ -94,6 +94,13 @@ class Engine:
         """Whether decoding passes run the native fused decoder stack (:mod:`selfspec.core.fused`)."""
         return self._fused is not None and self.fused_enabled
 
+    @property
+    def prompt_rows_exact(self) -> bool:
+        """Whether the prompt's prefill computes each row as a one-token step computes it (the fused stack with
+        the row kernels: int8 activations, the default on quantised models), so that a prompt prefilled in
+        chunks, alone or beside other sequences' rows in :meth:`forward_batch`, gets the same bits as a whole."""
+        return self.fused and not quant.prefill_has_own_kernel() and quant.prefill_kernel() != "gemm"
+
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache of ``capacity`` slots; on the fused stack its entries are stored as
         :func:`selfspec.core.quant.kv_cache_dtype` says (halves in the int8 speed mode)."""

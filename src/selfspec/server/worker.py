@@ -39,7 +39,7 @@ from typing import Any
 from ..api import Session
 from ..core.prefix_store import DEFAULT_MB, PrefixStore, inexact_reason
 from ..core.sampling import SamplingParams
-from ..cost.costs import CostProfile
+from ..cost.costs import CostProfile, cost_profile
 from ..decoding.batch import StepBatcher
 from ..errors import SelfspecError
 from ..model.models import Model
@@ -84,6 +84,20 @@ def default_parallel(profile: CostProfile) -> int:
     return max(n for n in (1, 2, 4) if profile.forward(n) <= PARALLEL_COST * one)
 
 
+CHUNK_SLACK = 1.15  # a prompt chunk may cost this factor of the cheapest per-row cost of the profile's passes
+
+
+def prompt_chunk(profile: CostProfile) -> int:
+    """Prompt rows per batch pass when a request prefills beside others' decoding: the fewest rows (at least 8)
+    whose per-row cost is within CHUNK_SLACK of the cheapest per-row cost the profile measured, so that the
+    prompt is read nearly as fast as alone while the others get a token per chunk (SmolLM2 here: 24-32)."""
+    grid = [t for t in sorted(profile.forward_ms) if 8 <= t <= 64]
+    if not grid:
+        return StepBatcher.PROMPT_CHUNK
+    best = min(profile.forward(t) / t for t in grid)
+    return min(t for t in grid if profile.forward(t) / t <= CHUNK_SLACK * best)
+
+
 class StopScanner:
     """Cuts the text at the first stop string; holds back a tail that may be the start of one."""
 
@@ -112,12 +126,15 @@ class StopScanner:
 class Worker:
     def __init__(self, model: Model, method: str, *, allowed: tuple[str, ...], queue_size: int = 8,
                  state_path: str | Path | None = None, options: dict[str, Any] | None = None,
-                 prefix_cache_mb: float = DEFAULT_MB, parallel: int = 1) -> None:  # fmt: skip
+                 prefix_cache_mb: float = DEFAULT_MB, parallel: int = 1, chunk: int | None = None) -> None:  # fmt: skip
         if not 1 <= parallel <= MAX_PARALLEL:
             raise ValueError(f"parallel must be between 1 and {MAX_PARALLEL}, got {parallel}")
         self.model, self.method, self.allowed = model, method, allowed
         self.parallel = parallel
-        self.batcher = StepBatcher(model.engine) if parallel > 1 else None
+        self.batcher = None
+        if parallel > 1:  # prompts prefill in the batch in chunks of `chunk` rows (default: from the cost profile)
+            chunk = prompt_chunk(cost_profile(model)) if chunk is None else chunk
+            self.batcher = StepBatcher(model.engine, prompt_chunk=chunk)
         self.options = dict(options or {})
         self.state_path = Path(state_path) if state_path else None
         self.prefix_store = PrefixStore.of_mb(prefix_cache_mb)
