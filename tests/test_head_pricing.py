@@ -177,17 +177,18 @@ def test_asd_in_a_server_batch_prices_the_empty_set_as_verified_by_the_batch():
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-@pytest.mark.parametrize("method", ["asd", "auto"])
-def test_asd_and_auto_stay_lossless_drafting_by_head(name, method, request, monkeypatch):
+@pytest.mark.parametrize(("method", "options"), [("asd", {}), ("auto", {}), ("auto", {"draft_dtype": "same"})])
+def test_asd_and_auto_stay_lossless_drafting_by_head(name, method, options, request, monkeypatch):
     """Under the read-bound profile (conftest) both models' empty set pays by its head-only price: asd and auto
-    draft it, verified by the head alone, and give vanilla's tokens, greedy and with seeded sampling."""
+    draft it, verified by the head alone, and give vanilla's tokens, greedy and with seeded sampling (also auto
+    with ``draft_dtype=same``, whose layer-skip source has no economy: its gain reads the profile's step)."""
     from selfspec.model.engine import Engine
 
     model = request.getfixturevalue(name)
     heads = []
     real = Engine.head_logits
     monkeypatch.setattr(Engine, "head_logits", lambda self, hidden: heads.append(len(hidden)) or real(self, hidden))
-    session = selfspec.Session(model, method)
+    session = selfspec.Session(model, method, **options)
     for prompt in ("The capital of France is", "def fibonacci(n):\n    "):
         ref = selfspec.generate(model, prompt, "vanilla", max_new_tokens=40)
         out = session.generate(prompt, max_new_tokens=40)

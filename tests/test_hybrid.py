@@ -131,20 +131,18 @@ def test_a_losing_layer_skip_source_sits_out_but_still_explores():
 @pytest.mark.parametrize(("options", "message"), [
     ({"schedule": "paper"}, "schedule applies to layerskip=swift"),
     ({"layerskip": "swift", "explore_every": 4}, "explore_every applies to layerskip=asd"),
-    ({"layerskip": "eagle"}, "layerskip must be 'asd', 'swift' or 'vocab'"),
-    ({"layerskip": "vocab", "explore_every": 4}, "explore_every applies to layerskip=asd"),
-    ({"layerskip": "vocab", "schedule": "paper"}, "schedule applies to layerskip=swift"),
+    ({"layerskip": "eagle"}, "layerskip must be 'asd' or 'swift'"),
 ])
 def test_auto_refuses_the_other_layer_skip_sources_options(tiny_llama, options, message):
     with pytest.raises(InvalidInputError, match=message):
         selfspec.Session(tiny_llama, "auto", **options)
 
 
-def test_a_head_only_rounds_gain_counts_the_whole_round_against_a_vanilla_step(monkeypatch):
+def test_a_head_only_rounds_gain_counts_the_whole_round_against_a_vanilla_step():
     """A round verified by the head alone (drafters/layerskip.py) spends nearly all its time in its draft and
     little in its "verification": its gain is its tokens per vanilla step of the whole round's time, the vanilla
-    step from the economy, or from the cost profile where the source has none (method vocab's drafter), never
-    the round's own short verification."""
+    step from the economy, or from the cost profile where the source has none (``draft_dtype=same``: no
+    pricing), never the round's own short verification."""
     drafted = DraftOutcome(DraftTree.chain(4, [1, 2, 3]), [0.9] * 3, {}, 3, passes=4)
     with_economy = DeclineToDraft()
     with_economy.economy = SimpleNamespace(verify_ms=lambda tokens: 10.0 if tokens == 1 else None)
@@ -155,17 +153,3 @@ def test_a_head_only_rounds_gain_counts_the_whole_round_against_a_vanilla_step(m
         hybrid.observe(drafted, [0, 1, 2, 3], tokens=4, round_ms=30.0, draft_ms=28.0, verify_ms=2.0)
         assert hybrid.skip_gain == pytest.approx(0.8 + 0.2 * 4 * 10.0 / 30.0)
 
-
-@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_auto_with_the_vocab_source_keeps_vanillas_tokens(name, request):
-    """``layerskip=vocab``: auto's self-draft is method vocab's (verified by the head alone); greedy and seeded
-    sampling give vanilla's tokens, and that source drafts."""
-    model = request.getfixturevalue(name)
-    session = selfspec.Session(model, "auto", layerskip="vocab")
-    for prompt in ("The capital of France is", "def fibonacci(n):\n    "):
-        out = session.generate(prompt, max_new_tokens=40)
-        assert out.token_ids == selfspec.generate(model, prompt, "vanilla", max_new_tokens=40).token_ids
-    assert out.stats.sources["layerskip"]["drafted"] > 0
-    kw = {"temperature": 0.8, "top_p": 0.95, "seed": 5}
-    ref = selfspec.generate(model, "Once upon a time", "vanilla", max_new_tokens=40, **kw)
-    assert session.generate("Once upon a time", max_new_tokens=40, **kw).token_ids == ref.token_ids

@@ -314,19 +314,16 @@ METHODS["lookahead"] = MethodSpec(
 )
 
 
-AUTO_SOURCES = ("asd", "swift", "vocab")
-
-
 def _auto_source(opts: dict[str, Any]) -> str:
-    """The hybrid's layer-skip source: 'asd' (default), 'swift' or 'vocab'; options of the others are refused."""
+    """The hybrid's layer-skip source: 'asd' (default) or 'swift'; options of the other one are refused."""
     source = str(opts.get("layerskip", "asd"))
-    if source not in AUTO_SOURCES:
-        raise InvalidInputError(f"layerskip must be 'asd', 'swift' or 'vocab', got {source!r}")
-    for other in (s for s in AUTO_SOURCES if s != source):
-        theirs = set(METHODS[other].options) - set(METHODS[source].options) - set(AUTO_OWN_OPTIONS)
-        foreign = sorted(k for k in opts if k in theirs)
-        if foreign:
-            raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={other}")
+    if source not in ("asd", "swift"):
+        raise InvalidInputError(f"layerskip must be 'asd' or 'swift', got {source!r}")
+    other = "swift" if source == "asd" else "asd"
+    theirs = set(METHODS[other].options) - set(METHODS[source].options) - set(AUTO_OWN_OPTIONS)
+    foreign = sorted(k for k in opts if k in theirs)
+    if foreign:
+        raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={other}")
     return source
 
 
@@ -338,13 +335,7 @@ def _auto_drafter(opts: dict[str, Any]):
         raise ValueError(f"ngram must be 'suffix' or 'pld', got {ngram!r}")
     shared = {k: opts[k] for k in ("max_ngram", "min_ngram") if k in opts}
     lookup = _suffix_drafter(shared) if ngram == "suffix" else _pld_drafter(shared)
-    source = _auto_source(opts)
-    if source == "asd":
-        layerskip = _asd_drafter(_options_of("asd", opts))
-    elif source == "vocab":
-        layerskip = METHODS["vocab"].build_drafter(_options_of("vocab", opts))
-    else:
-        layerskip = _swift_drafter(opts)
+    layerskip = _asd_drafter(_options_of("asd", opts)) if _auto_source(opts) == "asd" else _swift_drafter(opts)
     return HybridDrafter(lookup, layerskip)
 
 
@@ -359,11 +350,8 @@ def _options_of(method: str, opts: dict[str, Any]) -> dict[str, Any]:
 # cosine ranking finds at once (Gemma 3, 12 Spec-Bench prompts: asd 1.26x, swift 0.93x; its search found sets
 # skipping MLP sublayers, accepted a third as often); SWIFT's on-line search stays one option away.
 def _auto_skip(opts: dict[str, Any]):
-    source = _auto_source(opts)
-    if source == "asd":
+    if _auto_source(opts) == "asd":
         return _asd(_options_of("asd", opts))
-    if source == "vocab":
-        return METHODS["vocab"].build_skip_policy(opts)
     return _swift({"budget": AUTO_SEARCH_BUDGET, **_options_of("swift", opts)})
 
 
@@ -382,9 +370,7 @@ METHODS["auto"] = MethodSpec(
         **{k: v for k, v in METHODS["asd"].options.items() if k not in ("draft_length",) + ASD_PINNED + ("preset",)},
         "budget": f"layerskip=swift: most skip-set search time as a share of decoding time (default "
         f"{AUTO_SEARCH_BUDGET})",
-        "layerskip": "the layer-skip source: asd (default: ASD's automatic choice, which drafts as vocab does "
-        "where that pays), swift (its on-line search) or vocab (method vocab's drafts: the whole model over its "
-        "draft vocabulary, verified by the head alone; plain rounds where the model has no draft vocabulary)",
+        "layerskip": "the layer-skip source: asd (default: ASD's automatic choice) or swift (its on-line search)",
         "max_ngram": METHODS["pld"].options["max_ngram"],
         "min_ngram": METHODS["pld"].options["min_ngram"],
         "ngram": "the n-gram source: suffix (default: trees over the text and the session's outputs) or pld",

@@ -80,7 +80,7 @@ class HybridDrafter:
     def bind(self, model, skip) -> None:
         self.lookup.bind(model, skip)
         self.layerskip.bind(model, skip)
-        if self.layerskip.economy is None:  # (method vocab's drafter, a fixed draft precision: no pricing)
+        if self.layerskip.economy is None:  # (a fixed draft precision and no cost-aware policy: no pricing)
             from ..cost.costs import cost_profile
 
             self._step_ms = cost_profile(model).forward(1)
