@@ -173,6 +173,16 @@ def test_asd_in_a_server_batch_prices_the_empty_set_as_verified_by_the_batch():
     assert not any(o.head_only for o in policy.options)
 
 
+def test_swift_prices_the_empty_set_by_its_head_where_it_verifies_so():
+    """SWIFT's objective (and its choice of a starting set) reads the same head-only price; skip sets keep theirs."""
+    from selfspec.policies.swift import predicted_speedup
+
+    prof = profile()
+    assert predicted_speedup(prof, SkipSet(), 0.95) < 1.0 < predicted_speedup(prof, SkipSet(), 0.95, head_only=True)
+    some = SkipSet.of([1, 2], [])
+    assert predicted_speedup(prof, some, 0.9, head_only=True) == predicted_speedup(prof, some, 0.9)
+
+
 # -- real models: lossless while drafting by head -------------------------------------------------------
 
 
