@@ -136,3 +136,20 @@ def test_a_losing_layer_skip_source_sits_out_but_still_explores():
 def test_auto_refuses_the_other_layer_skip_sources_options(tiny_llama, options, message):
     with pytest.raises(InvalidInputError, match=message):
         selfspec.Session(tiny_llama, "auto", **options)
+
+
+def test_a_head_only_rounds_gain_counts_the_whole_round_against_a_vanilla_step():
+    """A round verified by the head alone (drafters/layerskip.py) spends nearly all its time in its draft and
+    little in its "verification": its gain is its tokens per vanilla step of the whole round's time, the vanilla
+    step from the economy, or from the cost profile where the source has none (``draft_dtype=same``: no
+    pricing), never the round's own short verification."""
+    drafted = DraftOutcome(DraftTree.chain(4, [1, 2, 3]), [0.9] * 3, {}, 3, passes=4)
+    with_economy = DeclineToDraft()
+    with_economy.economy = SimpleNamespace(verify_ms=lambda tokens: 10.0 if tokens == 1 else None)
+    for step_ms, layerskip in ((None, with_economy), (10.0, DeclineToDraft())):
+        hybrid = HybridDrafter(PromptLookupDrafter(), layerskip)
+        hybrid._step_ms = step_ms  # (set by bind from the profile where the source has no economy)
+        hybrid._source = "layerskip"
+        hybrid.observe(drafted, [0, 1, 2, 3], tokens=4, round_ms=30.0, draft_ms=28.0, verify_ms=2.0)
+        assert hybrid.skip_gain == pytest.approx(0.8 + 0.2 * 4 * 10.0 / 30.0)
+

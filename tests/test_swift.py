@@ -105,7 +105,7 @@ def test_the_search_gives_up_when_no_skip_set_pays(tiny_llama, monkeypatch):
     pay: the search stops instead of spending its budget, and reopens if the text gets easier to draft."""
     from selfspec.policies import swift
 
-    monkeypatch.setattr(swift, "predicted_speedup", lambda profile, skip, m, precision: 0.9 * m)
+    monkeypatch.setattr(swift, "predicted_speedup", lambda profile, skip, m, precision, **kw: 0.9 * m)
     session = selfspec.Session(tiny_llama, "swift", **FAST, give_up_after=5)
     for prompt in STREAM[:2]:
         base = selfspec.generate(tiny_llama, prompt, "vanilla", max_new_tokens=40)

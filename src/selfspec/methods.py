@@ -110,7 +110,8 @@ METHODS: dict[str, MethodSpec] = {
     "vanilla": MethodSpec("vanilla", "plain autoregressive decoding on our engine (the baseline)", {}, None),
     "asd": MethodSpec(
         "asd",
-        "ASD: skip set from prefill cosine similarity (ADMG), per prompt; alpha/m/n chosen by expected speedup",
+        "ASD: skip set from prefill cosine similarity (ADMG), per prompt; alpha/m/n chosen by expected speedup "
+        "(skipping nothing, verified by the head alone as vocab, where that pays)",
         {
             "preset": "'auto' (default: alpha, m and n chosen per model and machine from the cosine profile, the "
             "acceptance observed and the measured costs; rounds that would lose are plain decoding) or 'paper' "

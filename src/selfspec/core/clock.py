@@ -10,7 +10,7 @@ the CPU it runs on.
 
 :func:`simulated` switches both to a given profile: :func:`~selfspec.cost.costs.cost_profile`
 returns it instead of measuring, and :func:`now` returns a virtual clock that
-only :meth:`~selfspec.model.engine.Engine.forward` advances, by what the
+only the engine's passes (and head products) advance, by what the
 profile says the pass costs.  Decisions then depend on the tokens alone, the
 same on every machine.  Outputs never depend on the clock (the central
 invariant); only which drafts are tried does.
@@ -78,6 +78,17 @@ def charge(engine: Any, tokens: int, *, skip: Any, precision: Any, draft: bool =
         return
     prof = _profile_for(engine, None)  # made from the engine if no one asked for it yet
     ms = prof.pass_ms(tokens, skip, precision, draft=draft)
+    with _lock:
+        _virtual_s += ms / 1000.0
+
+
+def charge_head(engine: Any, tokens: int) -> None:
+    """Advance the virtual clock by the full LM head over ``tokens`` hidden states (a head-only verification's
+    product, :meth:`~selfspec.model.engine.Engine.head_logits`); no-op when real."""
+    global _virtual_s
+    if _source is None:
+        return
+    ms = _profile_for(engine, None).head(tokens)
     with _lock:
         _virtual_s += ms / 1000.0
 

@@ -9,6 +9,8 @@ what a pass over 1 costs; on our 2-core CPU it costs 1.5-2x (DESIGN.md section
 * ``forward_ms[T]``: one verification over T new tokens (T = 1..64): the full-model pass with the logits of
   all T rows (a verification needs each row's token; a large LM head, such as Gemma 3's 262k rows, makes
   this nearly twice a pass that keeps only the last row), their finiteness check and their argmax;
+* ``head_ms[T]``: the full LM head alone over T final hidden states (T = 1..16), with the same check and
+  argmax: what verifies a draft that skipped nothing (head-only verification, :func:`verification`);
 * per draft precision (the model's own dtype, and float16 / bfloat16 copies
   of the linear weights, see :mod:`selfspec.core.kernels`): what one attention /
   MLP sublayer adds to a one-token pass (averaged over the layers), the rest
@@ -32,7 +34,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +45,12 @@ from ..core.skipset import SkipSet
 from ..io import atomic_write_text, cache_dir
 
 # 5: forward_ms times verifications (all rows' logits), not last-row passes; 6: cheaper check;
-# 7: query heads of one key/value head attended together; 8: sublayer costs from draft passes only
-PROFILE_VERSION = 8
+# 7: query heads of one key/value head attended together; 8: sublayer costs from draft passes only; 9: head_ms
+# (a version 8 profile is still read: its head costs are derived, CostProfile.head)
+PROFILE_VERSION = 9
+READABLE_VERSIONS = (8, 9)
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
+HEAD_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of the head-only timings (a round's nodes: max_draft + 1 at most)
 PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MIN_AGREEMENT = 0.9  # a draft precision must reproduce at least this share of the full model's greedy tokens
 MIN_SAVING = 0.15  # ... and make a one-token pass at least this much cheaper, for "auto" to pick it
@@ -74,19 +79,37 @@ class CostProfile:
     forward_ms: dict[int, float]  # T -> ms of one full-model pass over T new tokens
     drafts: dict[str, DraftCosts]  # precision name ("same", "float16", ...) -> costs
     num_layers: int
+    head_ms: dict[int, float] = field(default_factory=dict)  # T -> ms of the full head over T rows (may be empty)
 
     def forward(self, tokens: int) -> float:
         """ms of a full-model pass over ``tokens`` new tokens (linear interpolation, extrapolated past 64)."""
-        grid = sorted(self.forward_ms)
-        if tokens <= grid[0]:
-            return self.forward_ms[grid[0]]
-        for lo, hi in zip(grid, grid[1:], strict=False):
-            if tokens <= hi:
-                f = (tokens - lo) / (hi - lo)
-                return self.forward_ms[lo] + f * (self.forward_ms[hi] - self.forward_ms[lo])
-        lo, hi = grid[-2], grid[-1]
-        slope = (self.forward_ms[hi] - self.forward_ms[lo]) / (hi - lo)
-        return self.forward_ms[hi] + slope * (tokens - hi)
+        return _interpolate(self.forward_ms, tokens)
+
+    def head(self, tokens: int) -> float:
+        """ms of the full LM head over ``tokens`` final hidden states, with the check and argmax a verification
+        makes.  Measured (``head_ms``), or, for a profile without it (version 8, hand-written ones), derived: a
+        one-token pass less a draft step that keeps every sublayer (the full head less the draft vocabulary's,
+        a slight underestimate), growing with the rows as a full pass does."""
+        if self.head_ms:
+            return _interpolate(self.head_ms, tokens)
+        one = max(0.0, self.forward(1) - self.draft_step(_NOTHING, "same"))
+        return one * self.forward(tokens) / self.forward(1)
+
+    def verification(self, tokens: int, draft_step: float | None = None) -> float:
+        """ms of verifying a round of ``tokens`` nodes (root included; one: a plain round, a full one-token pass).
+        A full-model pass over them; or, given ``draft_step`` (the ms of the draft's step), a head-only one (a
+        draft that skipped nothing: drafters/layerskip.py): one more draft step over the last drafted token and
+        the full head over every node's hidden state.  The one price of verification that ASD's choice
+        (:func:`verify_curve`) and the per-round economy (:class:`~selfspec.cost.economy.Economy`) both read."""
+        if draft_step is None or tokens <= 1:
+            return self.forward(tokens)
+        return draft_step + self.head(tokens)
+
+    def verify_curve(self, max_draft: int, draft_step: float | None = None) -> list[float]:
+        """V_k for k = 1..``max_draft`` drafted tokens: :meth:`verification` of k + 1 nodes over a one-token
+        pass (``draft_step``: head-only rounds, see there)."""
+        one = self.forward(1)
+        return [self.verification(k + 1, draft_step) / one for k in range(1, max_draft + 1)]
 
     def draft_step(self, skip: SkipSet, precision: str = "same") -> float:
         """Predicted ms of a one-token draft pass with ``skip`` in ``precision``: the base (embedding, final
@@ -131,17 +154,37 @@ class CostProfile:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["forward_ms"] = {str(k): v for k, v in self.forward_ms.items()}
+        d["head_ms"] = {str(k): v for k, v in self.head_ms.items()}
         d["version"] = PROFILE_VERSION
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostProfile:
+        """A profile as :meth:`to_dict` wrote it; one of version 8 has no ``head_ms`` (derived: :meth:`head`)."""
         d = dict(d)
-        if d.pop("version", None) != PROFILE_VERSION:
+        if d.pop("version", None) not in READABLE_VERSIONS:
             raise ValueError("profile version")
         d["forward_ms"] = {int(k): float(v) for k, v in d["forward_ms"].items()}
+        d["head_ms"] = {int(k): float(v) for k, v in d.get("head_ms", {}).items()}
         d["drafts"] = {k: DraftCosts(**v) for k, v in d["drafts"].items()}
         return cls(**d)
+
+
+_NOTHING = SkipSet()
+
+
+def _interpolate(table: dict[int, float], tokens: int) -> float:
+    """``table`` at ``tokens`` rows: linear between its sizes, extrapolated past the largest."""
+    grid = sorted(table)
+    if tokens <= grid[0]:
+        return table[grid[0]]
+    for lo, hi in zip(grid, grid[1:], strict=False):
+        if tokens <= hi:
+            f = (tokens - lo) / (hi - lo)
+            return table[lo] + f * (table[hi] - table[lo])
+    lo, hi = grid[-2], grid[-1]
+    slope = (table[hi] - table[lo]) / (hi - lo)
+    return table[hi] + slope * (tokens - hi)
 
 
 def profile_key(model) -> str:
@@ -212,13 +255,15 @@ def _estimate_s(model) -> float:
 
 @torch.inference_mode()
 def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) -> CostProfile:
-    """Time full passes over 1..64 tokens, and one-token draft passes per precision with sublayers left out."""
+    """Time full passes over 1..64 tokens, the full head alone over 1..16 rows, and one-token draft passes per
+    precision with sublayers left out."""
     engine = model.engine
     L = model.num_layers
     context = max(8, min(context, model.max_context // 2 - max(GRID)))
     text_ids = _text_ids(model, context)
     cache = engine.new_cache(context + max(GRID))
-    full_logits = engine.forward(cache, text_ids, 0)  # [context, V]
+    hidden: list[torch.Tensor] = []  # the text's final hidden states: the head's timed input
+    full_logits = engine.forward(cache, text_ids, 0, hidden_out=hidden)  # [context, V]
     cache.commit(context)
     vocab = model.adapter.vocab_size
     gen = random.Random(0)
@@ -234,6 +279,7 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
             agreement[name] = float((logits.argmax(-1) == full_logits.argmax(-1)).float().mean())
 
     configs: dict[str, tuple[int, SkipSet, torch.dtype | None]] = {f"T{t}": (t, SkipSet(), None) for t in GRID}
+    configs |= {f"H{t}": (t, SkipSet(), None) for t in HEAD_GRID if t <= context}
     # Half the sublayers of a kind left out, not all: a pass with no attention at all drives some models'
     # hidden states to values where low-precision arithmetic slows down (seen: 70 ms instead of 18).
     half = range(0, L, 2)
@@ -250,7 +296,11 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
             ids = torch.tensor([gen.randrange(vocab) for _ in range(T)], device=engine.device)
             _sync(engine.device)
             t0 = time.perf_counter()
-            _profiled_pass(engine, cache, ids, context, verification=name.startswith("T"), skip=skip, dtype=dtype)
+            if name.startswith("H"):
+                _head_check(engine, hidden[0][:, :T])
+            else:
+                _profiled_pass(engine, cache, ids, context, verification=name.startswith("T"), skip=skip,
+                               dtype=dtype)  # fmt: skip
             _sync(engine.device)
             if rep:
                 times[name].append(1000 * (time.perf_counter() - t0))
@@ -263,7 +313,9 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     forward = dict(zip(GRID, _non_decreasing([statistics.median(times[f"T{t}"]) for t in GRID]), strict=True))
     drafts = {name: _sublayer_costs(q1(f"{name}/no-layers"), q1(f"{name}/half-attention"), q1(f"{name}/half-mlp"),
                                     L, len(half), agreement[name]) for name in precisions}  # fmt: skip
-    return CostProfile(key or profile_key(model), forward, drafts, L)
+    heads = [t for t in HEAD_GRID if f"H{t}" in times]
+    head = dict(zip(heads, _non_decreasing([statistics.median(times[f"H{t}"]) for t in heads]), strict=True))
+    return CostProfile(key or profile_key(model), forward, drafts, L, head)
 
 
 def _sublayer_costs(base: float, half_attention: float, half_mlp: float, L: int, h: int,
@@ -331,6 +383,16 @@ def _verification(engine, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def _head_check(engine, hidden: torch.Tensor) -> torch.Tensor:
+    """What a head-only verification computes from T final hidden states (``[1, T, H]``): the full head's logits
+    (:meth:`Engine.head_logits`), checked finite, and each row's argmax."""
+    from ..decoding.loop import check_finite
+
+    logits = engine.head_logits([hidden])
+    check_finite(logits, "profiling")
+    return logits.argmax(-1)
+
+
 def _non_decreasing(values: list[float]) -> list[float]:
     """Isotonic regression (pool adjacent violators), equal weights."""
     blocks: list[list[float]] = []  # [mean, count]
@@ -389,7 +451,9 @@ def read_bound_profile(model_or_engine: Any) -> CostProfile:
     forward = {t: one * (1 + ROW_COST * (t - 1)) for t in GRID}
     same = DraftCosts(attention, mlp, per_million * _draft_head_rows(engine) * H / 1e6 + layers, 1.0)
     drafts = {"same": same} | {name: same for name in PRECISIONS if name != "same"}  # no cheaper copies
-    return CostProfile(f"read-bound-{L}x{H}", forward, drafts, L)
+    full_head = per_million * int(engine.adapter.vocab_size) * H / 1e6
+    head = {t: full_head * (1 + ROW_COST * (t - 1)) for t in HEAD_GRID}
+    return CostProfile(f"read-bound-{L}x{H}", forward, drafts, L, head)
 
 
 def _draft_head_rows(engine: Any) -> int:

@@ -26,9 +26,23 @@ by its sequences, and verified rows cost what they add beside the others' (:mod:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from ..core.skipset import SkipSet
 from ..decoding import batch_share
 from .costs import CostProfile
+
+
+def verifies_by_head(engine: Any, skip: SkipSet | None, precision: Any) -> bool:
+    """Whether a draft with ``skip`` in ``precision`` (a torch dtype; None: the model's own) is verified by the
+    full LM head alone, without a verification pass (drafters/layerskip.py, ``draft_round``): it skips nothing
+    in the model's own precision, so with a draft vocabulary (a smaller head) its passes are the full model's
+    one-token steps; and its rounds are not verified in a server's batch (decoding/batch.py: the batch's pass
+    verifies every member's round, so the draft is priced, and verified, as any other).  The one test both the
+    draft loop and the pricing (:class:`Economy`, ASD's choice) read."""
+    if skip is None or skip.attention or skip.mlp or precision is not None:
+        return False
+    return getattr(engine, "draft_vocab", None) is not None and not batch_share.batched()
 
 
 @dataclass
@@ -80,6 +94,7 @@ class Economy:
     plain_round_ms: float | None = None  # running mean of a round without a draft (one token), as measured
     draft_gain: float | None = None  # running mean of drafting rounds' tokens per plain round's time
     draft_rounds: int = 0
+    head_only: bool = False  # the draft's rounds are verified by the full head alone (:func:`verifies_by_head`)
     GAIN_SMOOTHING = 0.2  # weight of the newest drafting round in draft_gain
 
     def __post_init__(self) -> None:
@@ -88,19 +103,25 @@ class Economy:
         if self.draft_ms <= 0:
             self.draft_ms = self.draft_ms_predicted
 
-    def rebind(self, draft_ms_predicted: float) -> None:
+    def rebind(self, draft_ms_predicted: float, head_only: bool = False) -> None:
         """The draft model changed (another skip set): start from the profile's prediction for it."""
+        self.head_only = head_only
         if abs(draft_ms_predicted - self.draft_ms_predicted) > 1e-9:
             self.draft_ms_predicted = draft_ms_predicted
             self.draft_ms = draft_ms_predicted
 
+    def _verification(self, tokens: int) -> float:
+        """The profile's price of verifying ``tokens`` nodes of this draft's round (:meth:`CostProfile.verification`:
+        head-only rounds pay one more draft step and the full head, not a pass)."""
+        return self.profile.verification(tokens, self.draft_ms_predicted if self.head_only else None)
+
     def verify_ms(self, tokens: int) -> float:
-        """A verification over ``tokens`` rows; in a batch of concurrent requests
-        (:mod:`selfspec.decoding.batch_share`) what those rows add beside the others' (the same for one row, so
-        plain rounds keep their price)."""
+        """A verification over ``tokens`` rows (a head-only one: :attr:`head_only`); in a batch of concurrent
+        requests (:mod:`selfspec.decoding.batch_share`) what those rows add beside the others' (the same for one
+        row, so plain rounds keep their price)."""
         beside, forward = batch_share.current().rows_beside, self.profile.forward
         if beside == 0:
-            return self.verify_scale * forward(tokens)
+            return self.verify_scale * self._verification(tokens)
         return self.verify_scale * (forward(beside + tokens) - forward(beside + 1) + forward(1))
 
     @property
@@ -175,7 +196,8 @@ class Economy:
                 plain = self.plain_round_ms or self.verify_scale * self.profile.forward(1)
                 self.draft_gain = _ema(self.draft_gain, tokens * plain / round_ms, self.GAIN_SMOOTHING)
                 self.draft_rounds += 1
-        predicted = self.profile.forward(batch_share.current().rows_beside + verified)  # the pass it ran in
+        beside = batch_share.current().rows_beside
+        predicted = self._verification(verified) if beside == 0 else self.profile.forward(beside + verified)
         if predicted > 0 and verify_ms > 0:
             self.verify_scale = _ema(self.verify_scale, verify_ms / predicted, w)
         if first_kept is not None:

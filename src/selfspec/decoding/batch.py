@@ -75,6 +75,7 @@ class StepBatcher:
         """The calling thread's decoding takes part in the batches while inside this block."""
         with self._cond:
             self._members += 1
+        batch_share.join()
         try:
             yield
         finally:

@@ -40,5 +40,17 @@ def record(share: Share) -> None:
     _local.share = share
 
 
+def batched() -> bool:
+    """Whether this thread's decoding verifies its rounds in a batcher's passes (from its first round on: a
+    draft's own verification by head alone, drafters/layerskip.py, does not happen there)."""
+    return getattr(_local, "batched", False)
+
+
+def join() -> None:
+    """This thread's decoding joined a batcher (:meth:`~selfspec.decoding.batch.StepBatcher.member`)."""
+    _local.batched = True
+
+
 def reset() -> None:
     _local.share = ALONE
+    _local.batched = False

@@ -284,6 +284,7 @@ class Decoder:
                 if outcome is not None and outcome.logits is not None and self._batcher is None:
                     logits = outcome.logits  # the draft was the full model's own steps: its head verified them
                     check_finite(logits, "verification")
+                    t2 -= outcome.verify_s  # ... in the draft's time: that part is the round's verification
                 else:
                     logits = self._verify(cache, c, token, tree)  # [T, V]
                 # 3. accept the longest path the full model agrees with (or keeps), plus its next token

@@ -35,6 +35,7 @@ class DraftOutcome:
     # the full model's logits of every tree node, when the draft passes were the full model's own one-token steps
     # and only the head remained to verify them (a draft that skips nothing: drafters/layerskip.py)
     logits: Any = None
+    verify_s: float = 0.0  # of the draft's time, the seconds that verified it (with ``logits``: the head's work)
 
 
 @runtime_checkable

@@ -58,6 +58,7 @@ class HybridDrafter:
     def __init__(self, lookup: PromptLookupDrafter | SuffixDrafter, layerskip: LayerSkipDrafter) -> None:
         self.lookup, self.layerskip = lookup, layerskip
         self.skip_gain = 1.0  # layer-skip rounds' measured tokens per vanilla step (1: break-even)
+        self._step_ms: float | None = None  # a vanilla step by the cost profile, where the source has no economy
         self._source: str | None = None
         self._idle = 0  # rounds the losing layer-skip source sat out since it last drafted
         self._wait = EXPLORE_EVERY  # rounds it sits out before exploring again (doubles while exploring loses)
@@ -79,6 +80,10 @@ class HybridDrafter:
     def bind(self, model, skip) -> None:
         self.lookup.bind(model, skip)
         self.layerskip.bind(model, skip)
+        if self.layerskip.economy is None:  # (a fixed draft precision and no cost-aware policy: no pricing)
+            from ..cost.costs import cost_profile
+
+            self._step_ms = cost_profile(model).forward(1)
 
     def precision(self, model) -> str | None:
         return self.layerskip.precision(model)
@@ -122,8 +127,10 @@ class HybridDrafter:
         st.accepted += len(path) - 1
         st.ms += draft_ms + verify_ms
         if source == "layerskip":
+            # a vanilla step: not this round's verification, which a head-only round (drafters/layerskip.py)
+            # makes inside its draft (draft_ms + verify_ms holds the whole round either way)
             econ = self.layerskip.economy
-            step_ms = econ.verify_ms(1) if econ is not None else verify_ms
+            step_ms = econ.verify_ms(1) if econ is not None else self._step_ms or verify_ms
             gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
             self.skip_gain = (1 - SMOOTHING) * self.skip_gain + SMOOTHING * gain
             if self.skip_gain >= 1.0:

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core import clock
 from ..core.sampling import GREEDY_SAMPLER, Sampler
 from ..core.skipset import SkipSet
-from ..cost.economy import Economy
+from ..cost.economy import Economy, verifies_by_head
 from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree
 from ..errors import InvalidInputError
@@ -351,9 +352,10 @@ def draft_round(
 
 def _head_only_states(engine, skip: SkipSet, precision: torch.dtype | None, root: int) -> list | None:
     """A list for the draft passes' hidden states when the draft can be verified by the full head alone (None
-    otherwise): a draft that skips nothing in the model's own precision is the full model's one-token step with
-    a smaller head (the draft vocabulary's), so its hidden states are a verification's."""
-    if skip.attention or skip.mlp or precision is not None or engine.draft_vocab is None:
+    otherwise, :func:`~selfspec.cost.economy.verifies_by_head`, the test its pricing reads too): a draft that
+    skips nothing in the model's own precision is the full model's one-token step with a smaller head (the
+    draft vocabulary's), so its hidden states are a verification's."""
+    if not verifies_by_head(engine, skip, precision):
         return None
     engine.draft_vocab.add(torch.tensor([root]))  # the verified token a verification pass would have added
     return []
@@ -361,13 +363,16 @@ def _head_only_states(engine, skip: SkipSet, precision: torch.dtype | None, root
 
 def _verify_by_head(engine, cache, start: int, outcome: DraftOutcome, hidden: list) -> None:
     """One more step over the last drafted token, then the full head over every node's hidden state: the
-    round's full logits, as a verification pass would give them (``outcome.logits``)."""
+    round's full logits, as a verification pass would give them (``outcome.logits``); the time this took is the
+    round's verification (``outcome.verify_s``)."""
+    t0 = clock.now()
     tokens = outcome.tree.tokens
     last = torch.tensor([tokens[-1]], dtype=torch.long, device=engine.device)
     engine.forward(cache, last, start + len(tokens) - 1, last_only=True, subset=True, draft=True,
                    hidden_out=hidden)  # fmt: skip
     outcome.logits = engine.head_logits(hidden[: len(tokens)])
     outcome.passes = len(tokens)
+    outcome.verify_s = clock.now() - t0
 
 
 # -- the drafter: policies, precision and economy of one method ----------------------------------
@@ -436,10 +441,11 @@ class Drafter:
         profile = cost_profile(model)
         precision = self.precision(model)
         predicted = profile.draft_step(skip, precision if precision in profile.drafts else "same")
+        head_only = verifies_by_head(model.engine, skip, self.torch_dtype(model))
         if self.economy is None or self.economy.profile is not profile:
-            self.economy = Economy(profile, predicted)
+            self.economy = Economy(profile, predicted, head_only=head_only)
         else:
-            self.economy.rebind(predicted)
+            self.economy.rebind(predicted, head_only)
         self.length.economy = self.economy
         if self.tree is not None:
             self.tree.economy = self.economy

@@ -188,7 +188,9 @@ class Engine:
     def head_logits(self, hidden: list[torch.Tensor]) -> torch.Tensor:
         """The full model's logits ``[T, V]`` of final hidden states (``[1, t, H]`` each, as ``hidden_out`` of
         :meth:`forward` collects them), in one head product."""
-        return self._head(torch.cat(hidden, dim=1), False, False)
+        h = torch.cat(hidden, dim=1)
+        clock.charge_head(self, h.shape[1])  # simulated only
+        return self._head(h, False, False)
 
     @_exclusive
     @torch.inference_mode()

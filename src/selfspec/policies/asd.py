@@ -21,6 +21,12 @@ among a small family of ADMG configurations:
   :mod:`selfspec.cost.costs`, the one SWIFT's speed objective reads); c is
   scaled by what the drafter's rounds measured (draft step against its
   prediction, over the same for verification: ``Economy.cost_correction``).
+  The empty set, where its rounds are verified by the full head alone
+  (:func:`~selfspec.cost.economy.verifies_by_head`: a draft vocabulary, the
+  model's own precision, no server batch), makes no verification pass: its
+  V_k = c + head(k+1) / forward(1), one more draft step and the full head
+  over the k+1 nodes (:meth:`~selfspec.cost.costs.CostProfile.verify_curve`,
+  the price the drafter's economy reads too).
 * **Acceptance**, per candidate key: each drafted token up to the first
   rejection is a Bernoulli trial (a chain that is cut after ``accepted``
   tokens gave ``accepted`` hits in ``accepted + 1`` trials); counts decay by
@@ -58,6 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.skipset import SkipSet
+from ..cost.economy import verifies_by_head
 from ..errors import InvalidInputError
 from ..model.engine import SublayerCosine
 from .skip import ASD_VARIANTS, admg
@@ -142,6 +149,11 @@ def damage(skip: SkipSet, cosine: SublayerCosine) -> float:
     return sum(1 - cosine.attention[i] for i in skip.attention) + sum(1 - cosine.mlp[i] for i in skip.mlp)
 
 
+def _curve(option: Option, cost: float, verify: list[float], head_curve: HeadCurve | None) -> list[float]:
+    """The verification curve of ``option`` at draft cost ``cost``: its head-only one if it has one, else ``verify``."""
+    return head_curve(cost) if option.head_only and head_curve is not None else verify
+
+
 def expected_speedup(acceptance: float, cost: float, verify: list[float]) -> float:
     """Speedup over vanilla of chain drafting (SWIFT's model, as :func:`~selfspec.policies.swift.predicted_speedup`).
 
@@ -175,6 +187,11 @@ class Option:
     skip: SkipSet
     cost: float
     damage: float
+    head_only: bool = False  # its rounds are verified by the full head alone (priced by the head curve)
+
+
+# c -> V_1..V_max of a head-only round whose draft step costs c one-token passes (CostProfile.verify_curve)
+HeadCurve = Callable[[float], list[float]]
 
 
 @dataclass
@@ -270,19 +287,22 @@ class Learner:
 
 
 def choose(options: list[Option], estimates: list[tuple[float, float]], verify: list[float], reach: int,
-           cost_scale: float = 1.0) -> Choice:  # fmt: skip
+           cost_scale: float = 1.0, head_curve: HeadCurve | None = None) -> Choice:  # fmt: skip
     """The best option by expected speedup at its mean acceptance, then UCB among it and its neighbours.
 
     ``options`` are ordered from conservative to aggressive; ``estimates`` are
     (mean, upper bound) acceptances; ``cost_scale`` corrects every option's c
-    (what the rounds measured against the profile).  ``pays``: the pick's bound
-    predicts a speedup of at least 1 (otherwise the round should not draft).
+    (what the rounds measured against the profile); ``verify`` is the curve of
+    rounds verified by a pass, ``head_curve`` that of head-only options.
+    ``pays``: the pick's bound predicts a speedup of at least 1 (otherwise the
+    round should not draft).
     """
     costs = [o.cost * cost_scale for o in options]
-    means = [expected_speedup(m, c, verify) for c, (m, _) in zip(costs, estimates, strict=True)]
+    curves = [_curve(o, c, verify, head_curve) for o, c in zip(options, costs, strict=True)]
+    means = [expected_speedup(m, c, v) for c, v, (m, _) in zip(costs, curves, estimates, strict=True)]
     best = max(range(len(options)), key=lambda i: means[i])
     near = range(max(0, best - reach), min(len(options), best + reach + 1))
-    bounds = {i: expected_speedup(estimates[i][1], costs[i], verify) for i in near}
+    bounds = {i: expected_speedup(estimates[i][1], costs[i], curves[i]) for i in near}
     pick = max(near, key=lambda i: (bounds[i], means[i]))
     return Choice(pick, bounds[pick] >= 1.0, means[pick], bounds[pick])
 
@@ -309,6 +329,8 @@ class AutoAsdPolicy:
         self._model_key: str | None = None
         self._precision = "same"
         self._verify: list[float] = []
+        self._max_draft = 12
+        self._head_only = False  # the empty set's rounds would be verified by the head alone
         self._can_pay = False  # some option would pay if its drafts were always kept
         self._idle = 0  # rounds without drafting since the last draft
         self._gap = self.config.explore_every
@@ -335,9 +357,10 @@ class AutoAsdPolicy:
             self.profile = cost_profile(model)
         precision = drafter.precision(model) if hasattr(drafter, "precision") else "same"
         self._precision = precision if precision in self.profile.drafts else "same"
-        max_draft = int(getattr(drafter, "max_draft", 12))
-        one = self.profile.forward(1)
-        self._verify = [self.profile.forward(k + 1) / one for k in range(1, max_draft + 1)]
+        self._max_draft = max_draft = int(getattr(drafter, "max_draft", 12))
+        self._verify = self.profile.verify_curve(max_draft)
+        dtype = drafter.torch_dtype(model) if hasattr(drafter, "torch_dtype") else None
+        self._head_only = verifies_by_head(getattr(model, "engine", None), SkipSet(), dtype)
         self._gate = drafter.length if isinstance(getattr(drafter, "length", None), DraftGate) else None
         if self._gate is not None:
             self._gate.gate = self.drafting
@@ -395,7 +418,7 @@ class AutoAsdPolicy:
             if skip in seen or (skip.is_empty and cost >= FULL_PASS):  # a draft that is the full pass never pays
                 continue
             seen.add(skip)
-            options.append(Option(key, skip, cost, damage(skip, cosine)))
+            options.append(Option(key, skip, cost, damage(skip, cosine), skip.is_empty and self._head_only))
         options.sort(key=lambda o: (-o.cost, o.damage))
         self.options = options
 
@@ -410,14 +433,23 @@ class AutoAsdPolicy:
             return
         econ = self._economy()
         scale, cost_scale = self.learner.scale(), econ.cost_correction() if econ is not None else 1.0
-        self._can_pay = any(expected_speedup(1.0, o.cost * cost_scale, self._verify) >= 1.0 for o in self.options)
+        self._can_pay = any(expected_speedup(1.0, o.cost * cost_scale, self._curve(o, cost_scale)) >= 1.0
+                            for o in self.options)  # fmt: skip
         ceiling = self.profile.drafts[self._precision].agreement
         estimates = [self.learner.estimate(o, ceiling, scale) for o in self.options]
-        choice = choose(self.options, estimates, self._verify, self.config.reach, cost_scale)
+        choice = choose(self.options, estimates, self._verify, self.config.reach, cost_scale, self._head_curve)
         if choice.pays and econ is not None and econ.drafting_loses():
             choice = replace(choice, pays=False)  # predicted to pay, measured to lose: explore only
         self.choice = choice
         if self._gate is not None:  # a draft skipping nothing is kept whatever its confidence: draft the best k
             pick = self.options[choice.pick]
-            best_k = best_draft_length(estimates[choice.pick][0], pick.cost * cost_scale, self._verify)
+            curve = self._curve(pick, cost_scale)  # a head-only empty set: its head-only price's best k
+            best_k = best_draft_length(estimates[choice.pick][0], pick.cost * cost_scale, curve)
             self._gate.length = best_k if pick.skip.is_empty else None
+
+    def _head_curve(self, cost: float) -> list[float]:
+        """V_k of a head-only round whose draft step costs ``cost`` one-token passes (the profile's price)."""
+        return self.profile.verify_curve(self._max_draft, cost * self.profile.forward(1))
+
+    def _curve(self, option: Option, cost_scale: float) -> list[float]:
+        return _curve(option, option.cost * cost_scale, self._verify, self._head_curve)

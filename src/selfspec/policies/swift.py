@@ -58,6 +58,7 @@ import torch
 
 from ..core import clock
 from ..core.skipset import SkipSet
+from ..cost.economy import verifies_by_head
 from ..errors import InvalidInputError
 from ..io import atomic_write_text, read_json
 
@@ -161,6 +162,7 @@ class SwiftPolicy:
         self._profile = None
         self._precision_name = "same"
         self._drafter = None  # the method's Drafter: its draft precision is the one to score candidates in
+        self._head_only = False  # a draft skipping nothing would be verified by the head alone (priced so)
         self._last_round_end: float | None = None
         self._pass_seconds: float | None = None  # a scoring pass's measured duration (running mean)
 
@@ -170,6 +172,8 @@ class SwiftPolicy:
         self._drafter = drafter
         if self._drafter is not None:
             self._precision_name = self._drafter.precision(model)
+        dtype = drafter.torch_dtype(model) if hasattr(drafter, "torch_dtype") else None
+        self._head_only = verifies_by_head(getattr(model, "engine", None), SkipSet(), dtype)
         if self.config.objective == "speed" and self._profile is None:
             from ..cost.costs import cost_profile
 
@@ -198,7 +202,7 @@ class SwiftPolicy:
         if prof is None:
             return False
         name = self._precision_name if self._precision_name in prof.drafts else "same"
-        return predicted_speedup(prof, SkipSet(), prof.drafts[name].agreement, name) > 1.0
+        return predicted_speedup(prof, SkipSet(), prof.drafts[name].agreement, name, head_only=self._head_only) > 1.0
 
     def _load(self, key: str, num_layers: int) -> SwiftState | None:
         if self.state_path is None or not self.state_path.is_file():
@@ -365,7 +369,7 @@ class SwiftPolicy:
     def _objective(self, skip: SkipSet, matchness: float) -> float:
         if self.config.objective == "matchness":
             return matchness
-        return predicted_speedup(self._profile, skip, matchness, self._precision_name)
+        return predicted_speedup(self._profile, skip, matchness, self._precision_name, head_only=self._head_only)
 
     # -- proposals ---------------------------------------------------------------------------------
     def _slots(self) -> list[tuple[str, int]]:
@@ -461,24 +465,28 @@ class SwiftPolicy:
             return None
 
 
-def predicted_speedup(profile, skip: SkipSet, acceptance: float, precision: str = "same", max_draft: int = 16) -> float:
+def predicted_speedup(profile, skip: SkipSet, acceptance: float, precision: str = "same", max_draft: int = 16, *,
+                      head_only: bool = False) -> float:  # fmt: skip
     """Speedup over vanilla of drafting with ``skip``, if each draft token is kept with ``acceptance``.
 
     Chain drafting with n tokens earns (1 - a^(n+1)) / (1 - a) tokens per round
     and costs n draft steps plus a verification over n+1 tokens, all in units
     of a one-token full pass (the profile's figures); the best n is taken.
+    ``head_only``: a draft skipping nothing is verified by the head alone
+    (:func:`~selfspec.cost.economy.verifies_by_head`), priced by
+    :meth:`~selfspec.cost.costs.CostProfile.verify_curve` as ASD prices it.
     """
     if profile is None:
         return acceptance
     a = min(max(acceptance, 0.0), 0.999)
     name = precision if precision in profile.drafts else "same"
-    c = profile.draft_ratio(skip, name)
-    base = profile.forward(1)
+    step = profile.draft_step(skip, name)
+    c = step / profile.forward(1)
+    verify = profile.verify_curve(max_draft, step if head_only and skip.is_empty else None)
     best = 0.0
-    for n in range(1, max_draft + 1):
+    for n, v in enumerate(verify, start=1):
         tokens = (1 - a ** (n + 1)) / (1 - a)
-        cost = n * c + profile.forward(n + 1) / base
-        best = max(best, tokens / cost)
+        best = max(best, tokens / (n * c + v))
     return best
 
 
