@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import selfspec
+from selfspec.core import native_thread
 
 CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
@@ -38,6 +39,15 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 VOCAB = len(SPECIALS) + len(CHARS)
+
+
+@pytest.fixture(autouse=True)
+def engine_calls_where_made():
+    """A test that made a server worker or a batch (which hand engine passes to one native thread) leaves calls
+    running where they are made, and the test thread's torch thread count restored (core/native_thread.py)."""
+    yield
+    if native_thread.enabled():
+        native_thread.disable()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core import native_thread
 from ..model.engine import BatchItem, Engine
 from . import batch_share
 
@@ -58,6 +59,7 @@ class StepBatcher:
     PROMPT_CHUNK = 32  # prompt rows per pass when a member prefills in the batch (the server sets it per model)
 
     def __init__(self, engine: Engine, *, prompt_chunk: int = PROMPT_CHUNK) -> None:
+        native_thread.enable()  # members decode in their own threads: the passes on one (core/native_thread.py)
         self.engine = engine
         self.prompt_chunk = prompt_chunk  # a prompt's rows per batch pass (loop.prefill's chunks)
         self.stats = BatchStats()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
-from ..core import clock, draft_vocab, fused, kernels, quant, thread_guard
+from ..core import clock, draft_vocab, fused, kernels, native_thread, quant, thread_guard
 from ..core.cache import KVCache
 from ..core.skipset import NO_SKIP, SkipSet
 
@@ -35,10 +35,13 @@ def _exclusive(method):
     weights, native scratch and draft vocabulary; their passes take turns, or run together via
     :meth:`Engine.forward_batch`."""
 
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
+    def locked(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):  # on the native thread where several threads decode (core/native_thread.py)
+        return native_thread.run(locked, self, *args, **kwargs)
 
     return run
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import Session
+from ..core import native_thread
 from ..core.prefix_store import DEFAULT_MB, PrefixStore, inexact_reason
 from ..core.sampling import SamplingParams
 from ..cost.costs import CostProfile, cost_profile
@@ -129,6 +130,7 @@ class Worker:
                  prefix_cache_mb: float = DEFAULT_MB, parallel: int = 1, chunk: int | None = None) -> None:  # fmt: skip
         if not 1 <= parallel <= MAX_PARALLEL:
             raise ValueError(f"parallel must be between 1 and {MAX_PARALLEL}, got {parallel}")
+        native_thread.enable()  # slots decode in their own threads: the passes on one (core/native_thread.py)
         self.model, self.method, self.allowed = model, method, allowed
         self.parallel = parallel
         self.batcher = None
