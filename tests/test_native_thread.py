@@ -52,3 +52,9 @@ def test_a_model_decodes_alike_through_the_native_thread(smollm2):
     native_thread.enable()
     assert _in_thread(lambda: selfspec.generate(smollm2, "The capital of France is", "pld",
                                                 max_new_tokens=24).token_ids) == alone  # fmt: skip
+
+
+def test_costs_are_keyed_by_the_thread_count_of_the_passes():
+    threads = torch.get_num_threads()
+    native_thread.enable()
+    assert torch.get_num_threads() == 1 and native_thread.threads() == threads, "not by the caller's own count"

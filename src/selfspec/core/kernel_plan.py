@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..io import atomic_write_text, cache_dir
+from . import native_thread
 from .kernels import KERNELS, TORCH, KernelLinear, KernelPlan
 
 PLAN_VERSION = 2
@@ -110,7 +111,7 @@ def machine_facts() -> dict[str, Any]:
     except OSError:
         pass
     build = hashlib.sha1(torch.__config__.show().encode()).hexdigest()[:10]
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": native_thread.threads(), "torch": torch.__version__,
             "torch_build": build}  # fmt: skip
 
 

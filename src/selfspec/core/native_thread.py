@@ -103,6 +103,16 @@ def disable() -> None:
         torch.set_num_threads(_prepared.threads)
 
 
+def threads() -> int:
+    """torch's thread count where the engine's passes run: the calling thread's count from before it left
+    OpenMP (cost profiles and kernel plans are keyed by it), else its current one."""
+    if getattr(_prepared, "done", False):
+        return _prepared.threads
+    import torch
+
+    return torch.get_num_threads()
+
+
 def enabled() -> bool:
     return _ENABLED
 

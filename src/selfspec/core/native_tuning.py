@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..io import atomic_write_text, cache_dir
-from . import clock, thread_guard
+from . import clock, native_thread, thread_guard
 
 PREFETCH_CANDIDATES = (0, 1024, 4096, 16384)
 PREFETCH_DEFAULT = 4096
@@ -104,7 +104,6 @@ def tune(knob: str, candidates: tuple[int, ...], default: int, apply: Callable[[
 def tune_model(model, *, force: bool = False) -> list[TuneResult]:
     """Tune every knob that applies to ``model`` (its passes on the native fused stack with int8 products);
     [] when none does."""
-    import torch
 
     from . import quant
 
@@ -117,7 +116,7 @@ def tune_model(model, *, force: bool = False) -> list[TuneResult]:
     timer = _one_token_pass(model)
     results = [tune("int8_prefetch", PREFETCH_CANDIDATES, PREFETCH_DEFAULT, lib.selfspec_set_int8_prefetch,
                     timer, key=key, force=force)]  # fmt: skip
-    threads = torch.get_num_threads()  # the user's --threads / OMP_NUM_THREADS: the most a pass may use
+    threads = native_thread.threads()  # the user's --threads / OMP_NUM_THREADS: the most a pass may use
     lib.selfspec_set_pass_threads(threads)
     if threads > 1:
         candidates = tuple(sorted({1, max(1, threads // 2), threads}))

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..core import clock
+from ..core import clock, native_thread
 from ..core.skipset import SkipSet
 from ..io import atomic_write_text, cache_dir
 
@@ -190,7 +190,7 @@ def _interpolate(table: dict[int, float], tokens: int) -> float:
 def profile_key(model) -> str:
     cfg = model.hf.config
     shape = f"{cfg.model_type}-{model.num_layers}x{cfg.hidden_size}-v{model.adapter.vocab_size}"
-    place = f"{model.adapter.device}-{str(model.adapter.dtype).replace('torch.', '')}-t{torch.get_num_threads()}"
+    place = f"{model.adapter.device}-{str(model.adapter.dtype).replace('torch.', '')}-t{native_thread.threads()}"
     quant = getattr(model, "quantization", "none")
     if quant != "none":
         from ..core.quant import int8_activations
