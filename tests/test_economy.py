@@ -75,6 +75,28 @@ def test_measured_profile_of_a_tiny_model():
     assert prof.draft_step(SkipSet()) <= prof.forward(1)
 
 
+@pytest.mark.real_clock
+@pytest.mark.parametrize("spread, saved", [(1.1, True), (3.0, False)])
+def test_costs_measured_on_a_busy_machine_are_not_saved(monkeypatch, capsys, spread, saved):
+    """Timings taken while other work held the cores (their quartiles far apart) would price every later run
+    wrongly (seen: a profile taken under load put 2-token passes at twice a 1-token one, and prompt lookup never
+    drafted again): such a profile serves this process only."""
+    from dataclasses import replace
+
+    from selfspec.cost import costs
+
+    model = tiny_model("llama", seed=4)
+    fake = replace(_profile(), spread=spread)
+    monkeypatch.setattr(costs, "measure_profile", lambda m, key="": replace(fake, key=key))
+    prof = costs.cost_profile(model, force=True)
+    assert prof.spread == spread
+    path = costs._profile_dir() / f"{costs.profile_key(model)}.json"
+    assert path.is_file() == saved
+    assert ("busy" in capsys.readouterr().err) != saved
+    path.unlink(missing_ok=True)
+    costs._MEMORY.pop(costs.profile_key(model), None)
+
+
 def test_calibration_learns_from_outcomes():
     cal = Calibration()
     assert cal.prob(0.95) == pytest.approx(0.95)  # the prior: the draft is calibrated

@@ -80,6 +80,7 @@ class CostProfile:
     drafts: dict[str, DraftCosts]  # precision name ("same", "float16", ...) -> costs
     num_layers: int
     head_ms: dict[int, float] = field(default_factory=dict)  # T -> ms of the full head over T rows (may be empty)
+    spread: float = 1.0  # median upper / lower quartile of the full passes' timings (past BUSY_SPREAD: busy)
 
     def forward(self, tokens: int) -> float:
         """ms of a full-model pass over ``tokens`` new tokens (linear interpolation, extrapolated past 64)."""
@@ -232,7 +233,11 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
               f"{_estimate_s(model):.0f} s)...", file=sys.stderr)
         prof = measure_profile(model, key=key)
         model.adapter.release_draft_copies(PRECISIONS[prof.best_precision()])  # keep only the copy "auto" uses
-        if cache:
+        if prof.spread > clock.BUSY_SPREAD:  # other work took the cores: kept for this process only
+            print(f"selfspec: the machine was busy while measuring (timings of one pass {prof.spread:.1f}x apart "
+                  "between quartiles); these costs are not saved and are measured again next time",
+                  file=sys.stderr)  # fmt: skip
+        elif cache:
             atomic_write_text(path, json.dumps(prof.to_dict(), indent=1) + "\n")
     _MEMORY[key] = prof
     return prof
@@ -315,7 +320,8 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
                                     L, len(half), agreement[name]) for name in precisions}  # fmt: skip
     heads = [t for t in HEAD_GRID if f"H{t}" in times]
     head = dict(zip(heads, _non_decreasing([statistics.median(times[f"H{t}"]) for t in heads]), strict=True))
-    return CostProfile(key or profile_key(model), forward, drafts, L, head)
+    spread = statistics.median(clock.quartile_spread(times[f"T{t}"]) for t in GRID)
+    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread)
 
 
 def _sublayer_costs(base: float, half_attention: float, half_mlp: float, L: int, h: int,
