@@ -58,3 +58,14 @@ def test_costs_are_keyed_by_the_thread_count_of_the_passes():
     threads = torch.get_num_threads()
     native_thread.enable()
     assert torch.get_num_threads() == 1 and native_thread.threads() == threads, "not by the caller's own count"
+
+
+def test_disable_frees_the_native_threads_team(monkeypatch):
+    """disable() frees the native thread's OpenMP team, on that thread: while two teams live the caller's
+    parallel regions park at barriers (a SmolLM2 step took 10.8 ms instead of 2.3 here)."""
+    freed = []
+    native_thread.enable()
+    native = native_thread.run(threading.get_ident)
+    monkeypatch.setattr(native_thread, "_free_team", lambda: freed.append(threading.get_ident()))
+    native_thread.disable()
+    assert freed == [native] and not native_thread.enabled()

@@ -61,6 +61,13 @@ def _libgomp():
         return None
 
 
+def _free_team() -> None:
+    gomp = _libgomp()
+    pause = getattr(gomp, "omp_pause_resource_all", None) if gomp is not None else None
+    if pause is not None:
+        pause(ctypes.c_int(1))  # omp_pause_soft: this thread's team goes; a later region makes a new one
+
+
 def _leave_openmp() -> None:
     """This thread's torch work on one thread from now on, and its OpenMP team (if any) freed."""
     if getattr(_prepared, "done", False):
@@ -73,9 +80,7 @@ def _leave_openmp() -> None:
     if gomp is None:
         return
     gomp.omp_set_num_threads(ctypes.c_int(1))  # this thread's setting only; the native thread keeps its count
-    pause = getattr(gomp, "omp_pause_resource_all", None)
-    if pause is not None:
-        pause(ctypes.c_int(1))  # omp_pause_soft: free this thread's team
+    _free_team()
 
 
 def enable() -> None:
@@ -95,6 +100,8 @@ def disable() -> None:
     """Calls run where they are made again, and the calling thread's torch work gets its thread count back (tests
     and tools that enabled the native thread for a while; threads other than the caller keep one thread)."""
     global _ENABLED
+    if _ENABLED and _QUEUE is not None:  # the native thread's team would slow the caller's (module docstring)
+        run(_free_team)
     _ENABLED = False
     if getattr(_prepared, "done", False):
         import torch
