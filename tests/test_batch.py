@@ -78,7 +78,7 @@ def test_a_prompt_prefilled_in_batch_chunks_is_a_whole_prefill(name, request):
     logits a whole prefill leaves (prompt rows are computed as one-token rows), or runs alone where they are not."""
     model = request.getfixturevalue(name)
     engine, ids = model.engine, model.encode(LONG)
-    alone = prefill(model, ids, max_new_tokens=8)
+    alone = prefill(model, ids, max_new_tokens=8, cosine=True)  # with ASD's statistic of the prompt
     batcher = StepBatcher(engine, prompt_chunk=37)
     other = _prefilled(model, PROMPTS[0], room=64)
     stepped = threading.Event()
@@ -91,10 +91,12 @@ def test_a_prompt_prefilled_in_batch_chunks_is_a_whole_prefill(name, request):
     with batcher.member():
         thread = threading.Thread(target=decode_beside)
         thread.start()
-        chunked = prefill(model, ids, max_new_tokens=8, batcher=batcher)
+        chunked = prefill(model, ids, max_new_tokens=8, batcher=batcher, cosine=True)
         stepped.set()
     thread.join(60)
     assert torch.equal(alone.last_logits, chunked.last_logits) and alone.first_token == chunked.first_token
+    for a, b in ((alone.cosine.attention, chunked.cosine.attention), (alone.cosine.mlp, chunked.cosine.mlp)):
+        assert b == pytest.approx(a, abs=1e-6), "the chunks' means combine into the whole prompt's"
     n = len(ids)
     for layer in range(engine.num_layers):
         for a, b in zip(alone.cache.layer(layer, n), chunked.cache.layer(layer, n), strict=True):

@@ -144,6 +144,12 @@ class FusedStack:
             raise ValueError(f"cosines must be a contiguous float32 array of {2 * len(self.layers)} values")
         return cosines.ctypes.data
 
+    def _cosine_rows(self, cosines: np.ndarray, sequences: int) -> int:
+        if cosines.dtype != np.float32 or cosines.shape != (sequences, 2 * len(self.layers)) \
+                or not cosines.flags.c_contiguous:  # fmt: skip
+            raise ValueError(f"cosines must be a contiguous float32 array [{sequences}, {2 * len(self.layers)}]")
+        return cosines.ctypes.data
+
     def _norm(self, weight: torch.Tensor | None) -> int | None:
         if weight is None:
             return None
@@ -198,12 +204,14 @@ class FusedStack:
         return h
 
     def run_batch(self, hs: list[torch.Tensor], *, caches: list[KVCache], starts: list[int], masks: list[dict],
-                  ropes: list[dict], skip: SkipSet) -> list[torch.Tensor]:  # fmt: skip
+                  ropes: list[dict], skip: SkipSet,
+                  cosines: np.ndarray | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Several sequences' passes in one native call (concurrent requests decoded together): ``hs[s]``
         ``[1, T_s, hidden]`` of sequence s through every layer, its keys/values written at slots
         ``[starts[s], starts[s] + T_s)`` of ``caches[s]``, under its ``masks[s]`` and ``ropes[s]`` (as
         :meth:`run` takes them).  Each sequence's rows come out as :meth:`run` gives them alone, bit for bit;
-        the weights are read once for all of them."""
+        the weights are read once for all of them.  ``cosines``: None, or float32 ``[sequences, 2 * layers]``
+        that receives each sequence's mean cosines as :meth:`run`'s ``cosines`` does."""
         if self.int8 != int8_activations():
             self._describe(not self.int8)
         dtypes = {c.dtype for c in caches}
@@ -223,7 +231,9 @@ class FusedStack:
             ctypes.c_long(len(self.layers)), ctypes.c_void_p(ctypes.addressof(self._structs)),
             ctypes.c_void_p(self._flags(skip).ctypes.data), ctypes.c_void_p(io.ctypes.data),
             ctypes.c_long(len(hs)), ctypes.c_void_p(off.ctypes.data), ctypes.c_void_p(start.ctypes.data),
-            ctypes.c_void_p(cap.ctypes.data), ctypes.c_void_p(h.data_ptr()), ctypes.c_int(int(self.int8)),
+            ctypes.c_void_p(cap.ctypes.data), ctypes.c_void_p(h.data_ptr()),
+            ctypes.c_void_p(None if cosines is None else self._cosine_rows(cosines, len(hs))),
+            ctypes.c_int(int(self.int8)),
             ctypes.c_int(int(caches[0].dtype == torch.float16)))  # fmt: skip
         del keep
         if status != 0:

@@ -720,10 +720,11 @@ static inline row_t row_of(const seqs_t *sq, long layer, long t) {
 }
 
 /* Where the cosine similarity of each sublayer's input and output goes (ASD's statistics of the prompt):
- * row: scratch [T]; out: [2n], attention of layer i at 2i, MLP at 2i + 1, the mean over the T rows.  NULL
- * row: not collected. */
+ * row: scratch [T]; out: [sq->n * 2n], sequence s's attention of layer i at s * 2n + 2i, its MLP at
+ * s * 2n + 2i + 1, each the mean over that sequence's rows.  NULL row: not collected. */
 typedef struct {
     float *row, *out;
+    const seqs_t *sq;
 } cosines;
 
 /* cos(a, b) of one row as torch's cosine_similarity defines it (norms' product clamped below by 1e-8) */
@@ -752,10 +753,11 @@ static void add_residual(const float *out_norm, float off, float eps, long T, lo
     }
     if (cos->row) {
 #pragma omp single
-        {
+        for (long s = 0; s < cos->sq->n; s++) {  /* each sequence's rows in order (one sequence: all T) */
+            const long a = cos->sq->off[s], b = cos->sq->off[s + 1];
             double sum = 0.0;
-            for (long t = 0; t < T; t++) sum += cos->row[t];
-            cos->out[slot] = (float)(sum / (double)T);
+            for (long t = a; t < b; t++) sum += cos->row[t];
+            if (b > a) cos->out[s * 2 * cos->sq->layers + slot] = (float)(sum / (double)(b - a));
         }
     }
 }
@@ -861,7 +863,7 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
     float *buf = NULL;
     if (posix_memalign((void **)&buf, 64, sizeof(float) * (T * (6 * width + 2 * inter) + (cosine_out ? T : 0))))
         return -1;
-    const cosines cos = {cosine_out ? buf + T * (6 * width + 2 * inter) : NULL, cosine_out};
+    const cosines cos = {cosine_out ? buf + T * (6 * width + 2 * inter) : NULL, cosine_out, sq};
     float *x = buf, *q = x + T * width, *k = q + T * width, *v = k + T * width, *a = v + T * width;
     float *o = a + T * width, *g = o + T * width, *u = g + T * inter;
     void *xq = NULL;
@@ -916,18 +918,19 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
 
 /* Several sequences' rounds in one pass (concurrent requests, see seqs_t): nseq sequences, rows [off[s],
  * off[s + 1]) of h [off[nseq], hidden] being sequence s's new tokens at slots from start[s] of its caches of
- * cap[s] slots; io: [nseq * n] (sequence by sequence, each its n layers); skip as above, for every sequence.
+ * cap[s] slots; io: [nseq * n] (sequence by sequence, each its n layers); skip as above, for every sequence;
+ * cosine_out: NULL, or [nseq * 2n] that receives each sequence's mean cosines as selfspec_fused_layers gives them.
  * Never the prompt kernel: each row is computed as a one-sequence pass of the row kernels computes it.  Returns 0, or -1 when scratch memory is unavailable. */
 int selfspec_fused_layers_batch(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io,
                                 long nseq, const long *off, const long *start, const long *cap, float *h,
-                                int int8, int kv16) {
+                                float *cosine_out, int int8, int kv16) {
     const long T = off[nseq];
     long *seq_of = malloc((size_t)(T > 0 ? T : 1) * sizeof(long));
     if (!seq_of) return -1;
     for (long s = 0; s < nseq; s++)
         for (long t = off[s]; t < off[s + 1]; t++) seq_of[t] = s;
     const seqs_t sq = {nseq, n, off, start, cap, seq_of, io};
-    const int status = fused_pass(layers, skip, &sq, T, h, NULL, 0, int8, kv16);
+    const int status = fused_pass(layers, skip, &sq, T, h, cosine_out, 0, int8, kv16);
     free(seq_of);
     return status;
 }

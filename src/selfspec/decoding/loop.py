@@ -106,7 +106,8 @@ def prefill(
     the bits a whole prefill gives (:mod:`selfspec.core.prefix_store`).  ``batcher`` (a decoding of a server
     with several slots): where prompt rows are computed as one-token rows (``Engine.prompt_rows_exact``), the
     prompt runs in chunks inside the batch's passes, beside the other requests' rounds, which then go on
-    while it prefills (same bits as a whole prefill); a prefill measuring ASD's statistic runs alone.
+    while it prefills (same bits as a whole prefill; ASD's statistic as the chunks' means combined, equal to a
+    whole prefill's to float32 rounding).
     """
     check_lengths(model, len(prompt_ids), max_new_tokens)
     engine = model.engine
@@ -118,8 +119,8 @@ def prefill(
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
     if start and engine.draft_vocab is not None:
         engine.draft_vocab.add(ids[:start])  # the prompt tokens a whole prefill would have shown it
-    if batcher is not None and not measure and engine.prompt_rows_exact:
-        logits = _prefill_in_batches(batcher, cache, ids, start)
+    if batcher is not None and engine.prompt_rows_exact:
+        logits = _prefill_in_batches(batcher, cache, ids, start, out if measure else None)
     else:
         logits = engine.forward(cache, ids[start:], start, last_only=True, cosine_out=out if measure else None,
                                 prefill=True)  # fmt: skip
@@ -140,14 +141,22 @@ def prefill(
     return replace(pf, cosine=_mean(sums, n), marks={**pf.marks, n: sums})
 
 
-def _prefill_in_batches(batcher: StepBatcher, cache: KVCache, ids: torch.Tensor, start: int) -> torch.Tensor:
+def _prefill_in_batches(batcher: StepBatcher, cache: KVCache, ids: torch.Tensor, start: int,
+                        cosine_out: list | None) -> torch.Tensor:  # fmt: skip
     """Prompt positions ``[start, len(ids))`` in chunks of the batcher's ``prompt_chunk`` rows, each chunk in
-    one of the batch's passes (the rest in one pass while no other request decodes); the last row's logits."""
+    one of the batch's passes (the rest in one pass while no other request decodes); the last row's logits.
+    With ``cosine_out``, the chunks' mean cosines combined into their mean over ``[start, len(ids))``."""
     step, n, a, logits = max(1, batcher.prompt_chunk), ids.shape[0], start, None
+    sums = np.zeros(2 * batcher.engine.num_layers)
     while a < n:
         b = n if batcher.members <= 1 else min(n, a + step)
-        logits = batcher.forward(BatchItem(cache, ids[a:b], a, last_only=True))
+        chunk: list[SublayerCosine] | None = [] if cosine_out is not None else None
+        logits = batcher.forward(BatchItem(cache, ids[a:b], a, last_only=True, cosine_out=chunk))
+        if chunk:
+            sums += _sums(chunk[0], b - a)
         a = b
+    if cosine_out is not None:
+        cosine_out.append(_mean(sums, n - start))
     assert logits is not None
     return logits
 

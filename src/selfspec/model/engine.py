@@ -56,6 +56,7 @@ class BatchItem:
     positions: torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None
     last_only: bool = False
+    cosine_out: list | None = None  # receives the pass's SublayerCosine over these rows (ASD's prompt statistic)
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ class Engine:
         the weights once for all rows and one head product scores them; elsewhere the items run in turn."""
         if not self.fused or len(items) == 1 or quant.bulk_active():
             return [self.forward(it.cache, it.input_ids, it.start, positions=it.positions, tree_mask=it.tree_mask,
-                                 last_only=it.last_only) for it in items]  # fmt: skip
+                                 last_only=it.last_only, cosine_out=it.cosine_out) for it in items]  # fmt: skip
         clock.charge(self, sum(it.input_ids.shape[0] for it in items), skip=NO_SKIP, precision=None)
         adapter, hs, masks, ropes = self.adapter, [], [], []
         for it in items:
@@ -215,9 +216,14 @@ class Engine:
             hs.append(adapter.embed(it.input_ids.view(1, T)))
             ropes.append(adapter.rotary(hs[-1], positions.view(1, T)))
             masks.append(self._masks(it.start, positions, it.tree_mask, it.start))
+        cos = None if all(it.cosine_out is None for it in items) else \
+            np.full((len(items), 2 * self.num_layers), np.nan, dtype=np.float32)  # fmt: skip
         t0 = time.perf_counter()
         outs = self._fused.run_batch(hs, caches=[it.cache for it in items], starts=[it.start for it in items],
-                                     masks=masks, ropes=ropes, skip=NO_SKIP)  # fmt: skip
+                                     masks=masks, ropes=ropes, skip=NO_SKIP, cosines=cos)  # fmt: skip
+        for it, row in zip(items, cos if cos is not None else [], strict=False):
+            if it.cosine_out is not None:
+                it.cosine_out.append(SublayerCosine(tuple(map(float, row[0::2])), tuple(map(float, row[1::2]))))
         rows_in = tuple(h.shape[1] for h in hs)
         thread_guard.observe((id(self), rows_in), 1000 * (time.perf_counter() - t0))
         rows = [h[:, -1:] if it.last_only else h for h, it in zip(outs, items, strict=True)]
