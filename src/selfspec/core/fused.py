@@ -139,15 +139,10 @@ class FusedStack:
         """Bytes of row forms the layers' weights hold in their interleaved copy only."""
         return sum(m.qweight.step_bytes for layer in self.layers for m in layer.linears if m.qweight.rows_released)
 
-    def _cosine_buffer(self, cosines: np.ndarray) -> int:
-        if cosines.dtype != np.float32 or cosines.shape != (2 * len(self.layers),) or not cosines.flags.c_contiguous:
-            raise ValueError(f"cosines must be a contiguous float32 array of {2 * len(self.layers)} values")
-        return cosines.ctypes.data
-
-    def _cosine_rows(self, cosines: np.ndarray, sequences: int) -> int:
-        if cosines.dtype != np.float32 or cosines.shape != (sequences, 2 * len(self.layers)) \
-                or not cosines.flags.c_contiguous:  # fmt: skip
-            raise ValueError(f"cosines must be a contiguous float32 array [{sequences}, {2 * len(self.layers)}]")
+    def _cosine_buffer(self, cosines: np.ndarray, shape: tuple[int, ...]) -> int:
+        """The address of ``cosines``, checked to be a contiguous float32 array of ``shape``."""
+        if cosines.dtype != np.float32 or cosines.shape != shape or not cosines.flags.c_contiguous:
+            raise ValueError(f"cosines must be a contiguous float32 array of shape {shape}")
         return cosines.ctypes.data
 
     def _norm(self, weight: torch.Tensor | None) -> int | None:
@@ -196,7 +191,8 @@ class FusedStack:
         io, keep = self._io(cache, masks, ropes)
         status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
                           io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
-                          None if cosines is None else self._cosine_buffer(cosines), int(prompt),
+                          None if cosines is None else self._cosine_buffer(cosines, (2 * len(self.layers),)),
+                          int(prompt),
                           int(self.int8), int(cache.dtype == torch.float16))  # fmt: skip
         del keep
         if status != 0:
@@ -232,7 +228,7 @@ class FusedStack:
             ctypes.c_void_p(self._flags(skip).ctypes.data), ctypes.c_void_p(io.ctypes.data),
             ctypes.c_long(len(hs)), ctypes.c_void_p(off.ctypes.data), ctypes.c_void_p(start.ctypes.data),
             ctypes.c_void_p(cap.ctypes.data), ctypes.c_void_p(h.data_ptr()),
-            ctypes.c_void_p(None if cosines is None else self._cosine_rows(cosines, len(hs))),
+            ctypes.c_void_p(None if cosines is None else self._cosine_buffer(cosines, (len(hs), 2 * len(self.layers)))),
             ctypes.c_int(int(self.int8)),
             ctypes.c_int(int(caches[0].dtype == torch.float16)))  # fmt: skip
         del keep
