@@ -36,7 +36,7 @@ def test_every_method_keeps_vanillas_tokens_on_cuda(arch, dtype):
     sampled = selfspec.generate(model, "Hello there", "vanilla", max_new_tokens=24, **seeded).token_ids
     drafted = 0
     for method in METHODS:
-        if method in ("vanilla", "s3d"):  # s3d needs a trained adapter
+        if method in ("vanilla", "s3d", "lowbit"):  # s3d needs a trained adapter, lowbit a quantised model
             continue
         opts = {"skip_set": SKIP_SET} if method in ("static", "selfsd") else {}
         got = selfspec.generate(model, "Hello there", method, max_new_tokens=24, **opts)

@@ -94,6 +94,8 @@ METHODS = [
     ("lookahead", {}),
     ("auto", {}),
     ("auto", {"layerskip": "swift"}),
+    ("lowbit", {}),  # 4-bit copies of its Q5_0 / Q6_K weights
+    ("asd", {"draft_dtype": "q4"}),
 ]
 
 

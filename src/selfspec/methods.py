@@ -142,6 +142,14 @@ METHODS: dict[str, MethodSpec] = {
         lambda opts: StaticPolicy(SkipSet.of([], [])),
         lambda opts: VocabDrafter(_chain_drafter(opts).length, None, "same"),
     ),
+    "lowbit": MethodSpec(
+        "lowbit",
+        "the whole model drafts from 4-bit copies of its own 5-8-bit weights (QSpec / ML-SpecQD style, no "
+        "training; quantised models), scoring its draft vocabulary; a full pass verifies",
+        {k: v for k, v in DRAFT_OPTIONS.items() if k != "draft_dtype"},
+        lambda opts: StaticPolicy(SkipSet.of([], [])),
+        lambda opts: Drafter(_chain_drafter(opts).length, None, "q4"),
+    ),
 }
 
 

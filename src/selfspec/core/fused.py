@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .cache import KVCache
-from .quant import QuantLinear, int8_activations, native, prefill_kernel
+from .quant import QuantLinear, int8_activations, low_bit_copy, native, prefill_kernel
 from .skipset import SkipSet
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu_fast": 1}
@@ -105,6 +105,8 @@ class FusedStack:
         self._lib = lib if lib is not None else native()  # another build (tests: the portable C path)
         # the tensors the C structs point to must live as long as this object: contiguous fp32 norm weights
         self._keep: list[torch.Tensor] = []
+        self._low_linears: list[tuple[QuantLinear, ...]] | None = None  # draft precision q4: the layers' copies
+        self._low_structs = None
         self._describe(int8_activations())
         self._windows = sorted({layer.window for layer in layers}, key=lambda w: (w is not None, w or 0))
         self._rope_keys = sorted({layer.rope_key for layer in layers})
@@ -133,6 +135,45 @@ class FusedStack:
                     m.qweight.release_rows()
         self._keep.clear()
         self._structs = (_Layer * len(self.layers))(*(self._struct(layer) for layer in self.layers))
+        self._low_structs = None  # remade on next use, for this mode
+
+    @property
+    def has_low_bit(self) -> bool:
+        """Whether a low-bit draft (draft precision ``q4``) reads fewer bytes: some layer weight is 8-bit here."""
+        return any(m.qweight.fmt != "q4" for layer in self.layers for m in layer.linears)
+
+    def low_bit_bytes(self) -> tuple[int, int]:
+        """Bytes one pass reads of the layers' weights: (the model's own, the low-bit draft's)."""
+        own = sum(m.qweight.step_bytes for layer in self.layers for m in layer.linears)
+        low = sum(m.qweight.step_bytes for linears in self._low_bit_linears() for m in linears)
+        return own, low
+
+    def _low_bit_linears(self) -> list[tuple[QuantLinear, ...]]:
+        """Each layer's products for low-bit drafts: 8-bit weights requantised to 4 bits (made once, a second or
+        two for a 0.5B model; under int8 activations only their interleaved copy is kept), 4-bit ones shared."""
+        if self._low_linears is None:
+            self._low_linears = [
+                tuple(m if m.qweight.fmt == "q4" else QuantLinear(low_bit_copy(m.qweight), m.bias)
+                      for m in layer.linears)
+                for layer in self.layers
+            ]  # fmt: skip
+        return self._low_linears
+
+    def _low_bit_structs(self):
+        if self._low_structs is None:
+            layers = self._low_bit_linears()
+            self._low_structs = (_Layer * len(self.layers))(
+                *(self._struct(layer, linears) for layer, linears in zip(self.layers, layers, strict=True)))
+            if self.int8:  # the copies are multiplied only: their row form is never read
+                for linears, layer in zip(layers, self.layers, strict=True):
+                    for m, own in zip(linears, layer.linears, strict=True):
+                        if m is not own:
+                            m.qweight.release_rows()
+        return self._low_structs
+
+    def release_low_bit(self) -> None:
+        """Drop the low-bit copies (memory), made again if a draft asks for them."""
+        self._low_linears = self._low_structs = None
 
     @property
     def released_bytes(self) -> int:
@@ -152,8 +193,8 @@ class FusedStack:
         self._keep.append(w)
         return w.data_ptr()
 
-    def _struct(self, layer: FusedLayer) -> _Layer:
-        q, k, v, o, gate, up, down = (_qmat(m, self.int8) for m in layer.linears)
+    def _struct(self, layer: FusedLayer, linears: tuple[QuantLinear, ...] | None = None) -> _Layer:
+        q, k, v, o, gate, up, down = (_qmat(m, self.int8) for m in linears or layer.linears)
         return _Layer(q, k, v, o, gate, up, down, self._norm(layer.attn_in_norm), self._norm(layer.attn_out_norm),
                       self._norm(layer.mlp_in_norm), self._norm(layer.mlp_out_norm), self._norm(layer.q_norm),
                       self._norm(layer.k_norm), layer.eps, layer.norm_offset, layer.scaling, layer.n_heads,
@@ -172,14 +213,16 @@ class FusedStack:
         return flags
 
     def run(self, h: torch.Tensor, *, cache: KVCache, start: int, skip: SkipSet, masks: dict,
-            ropes: dict, cosines: np.ndarray | None = None, prompt: bool = False) -> torch.Tensor:
+            ropes: dict, cosines: np.ndarray | None = None, prompt: bool = False,
+            low_bit: bool = False) -> torch.Tensor:  # fmt: skip
         """``h`` ``[1, T, hidden]`` through every layer (its new keys/values written at slots
         ``[start, start+T)``); ``masks`` by window: boolean ``[1, 1, T, start+T]`` or None (causal);
         ``ropes`` by rotary key: (cos, sin), each ``[1, T, head_dim]``.  ``cosines``: None, or float32
         ``[2 * layers]`` that receives each computed sublayer's mean cosine similarity of its input and output
         hidden states (attention of layer i at 2i, MLP at 2i+1; skipped sublayers keep their value).  ``prompt``:
         products of 65 rows or more take the blocked prompt kernel (``prompt_gemm.c``), whose rows differ from
-        one-token rows in rounding; never for a pass whose rows are compared with one-token steps."""
+        one-token rows in rounding; never for a pass whose rows are compared with one-token steps.  ``low_bit``
+        (drafts only): the layers' 8-bit weights read from their 4-bit copies (:meth:`has_low_bit`)."""
         if self.int8 != int8_activations():  # the process-wide mode changed since the structs were made
             self._describe(not self.int8)
         if prompt and self.released_bytes:  # the blocked prompt kernel (asked for after load) reads row forms
@@ -189,7 +232,8 @@ class FusedStack:
         if start + T > cache.capacity:
             raise RuntimeError(f"KV cache overflow: need {start + T} slots, have {cache.capacity}")
         io, keep = self._io(cache, masks, ropes)
-        status = self._fn(len(self.layers), ctypes.addressof(self._structs), self._flags(skip).ctypes.data,
+        structs = self._low_bit_structs() if low_bit else self._structs
+        status = self._fn(len(self.layers), ctypes.addressof(structs), self._flags(skip).ctypes.data,
                           io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
                           None if cosines is None else self._cosine_buffer(cosines, (2 * len(self.layers),)),
                           int(prompt),

@@ -783,6 +783,26 @@ def quantize_weight(weight: torch.Tensor, bits: int) -> QuantWeight:
     raise SelfspecError(f"quantisation to {bits} bits is not supported (8 or 4)")
 
 
+# The draft precision "q4" (drafters/layerskip.py): draft passes of the fused stack read a 4-bit copy of the layers'
+# 8-bit stored weights (Q5_0, Q5_K, Q6_K, Q8_0 take a byte per code here).  torch has no dtype for it; its 4-bit
+# integer dtype names it where a draft precision is a torch dtype (core/kernels.py's context variable).
+LOW_BIT_DRAFT = torch.quint4x2
+
+
+def low_bit_copy(w: QuantWeight) -> QuantWeight:
+    """``w`` requantised to ``q4`` (4-bit codes and a minimum per 32 weights, as Q4_1) for low-bit draft passes,
+    in the spirit of QSpec / ML-SpecQD: the model's own weights at fewer bits, no training; a ``q4`` weight is
+    returned as it is (nothing to save).  Made from the decoded weight a few MB of rows at a time."""
+    if w.fmt == "q4":
+        return w
+    step = max(16, (4 << 20) // (4 * w.in_features)) // 16 * 16
+    parts = [quantize_weight(w.rows(torch.arange(r, min(r + step, w.out_features))), 4)
+             for r in range(0, w.out_features, step)]  # fmt: skip
+    return QuantWeight("q4", w.out_features, w.in_features, 32, torch.cat([p.codes for p in parts]),
+                       torch.cat([p.scale for p in parts]), torch.cat([p.minv for p in parts]),
+                       f"{w.source}->q4")  # fmt: skip
+
+
 # -- modules ---------------------------------------------------------------------------------------------------------
 
 

@@ -41,17 +41,20 @@ from typing import Any
 import torch
 
 from ..core import clock, native_thread
+from ..core.quant import LOW_BIT_DRAFT
 from ..core.skipset import SkipSet
 from ..io import atomic_write_text, cache_dir
 
 # 5: forward_ms times verifications (all rows' logits), not last-row passes; 6: cheaper check;
 # 7: query heads of one key/value head attended together; 8: sublayer costs from draft passes only; 9: head_ms
-# (a version 8 profile is still read: its head costs are derived, CostProfile.head)
-PROFILE_VERSION = 9
-READABLE_VERSIONS = (8, 9)
+# (a version 8 profile is still read: its head costs are derived, CostProfile.head); 10: the low-bit draft "q4"
+# (an older profile of a model that has low-bit drafts is measured again: it lacks their costs)
+PROFILE_VERSION = 10
+READABLE_VERSIONS = (8, 9, 10)
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
 HEAD_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of the head-only timings (a round's nodes: max_draft + 1 at most)
-PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# q4: the fused stack's 4-bit copies of a quantised model's 8-bit layer weights (core/quant.py, LOW_BIT_DRAFT)
+PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "q4": LOW_BIT_DRAFT}
 MIN_AGREEMENT = 0.9  # a draft precision must reproduce at least this share of the full model's greedy tokens
 MIN_SAVING = 0.15  # ... and make a one-token pass at least this much cheaper, for "auto" to pick it
 
@@ -228,11 +231,15 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
             prof = CostProfile.from_dict(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError):
             prof = None  # stale or damaged: measure again
+        if prof is not None and set(draft_precisions(model)) - set(prof.drafts):
+            prof = None  # measured before a draft precision this model has (an older version): measure again
     if prof is None:
         print(f"selfspec: measuring the decoding costs of {model.name} on this machine (once, about "
               f"{_estimate_s(model):.0f} s)...", file=sys.stderr)
         prof = measure_profile(model, key=key)
         model.adapter.release_draft_copies(PRECISIONS[prof.best_precision()])  # keep only the copy "auto" uses
+        if prof.best_precision() != "q4":
+            model.engine.release_low_bit()
         if prof.spread > clock.BUSY_SPREAD:  # other work took the cores: kept for this process only
             print(f"selfspec: the machine was busy while measuring (timings of one pass {prof.spread:.1f}x apart "
                   "between quartiles); these costs are not saved and are measured again next time",
@@ -273,9 +280,7 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     vocab = model.adapter.vocab_size
     gen = random.Random(0)
 
-    precisions = {n: d for n, d in PRECISIONS.items() if d is None or d != model.adapter.dtype}
-    if not model.adapter.low_precision_drafts:  # quantised weights: a draft computes as the full pass does
-        precisions = {"same": None}
+    precisions = draft_precisions(model)
     agreement = {"same": 1.0}
     for name, dtype in precisions.items():
         if dtype is not None:
@@ -322,6 +327,15 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     head = dict(zip(heads, _non_decreasing([statistics.median(times[f"H{t}"]) for t in heads]), strict=True))
     spread = statistics.median(clock.quartile_spread(times[f"T{t}"]) for t in GRID)
     return CostProfile(key or profile_key(model), forward, drafts, L, head, spread)
+
+
+def draft_precisions(model) -> dict[str, torch.dtype | None]:
+    """The draft precisions a profile of ``model`` measures: its own, float16 / bfloat16 copies where its linears
+    are plain float weights, ``q4`` where the fused stack has 8-bit weights to requantise (quantised models)."""
+    if model.adapter.low_precision_drafts:
+        return {n: d for n, d in PRECISIONS.items() if d is None or (d != model.adapter.dtype and n != "q4")}
+    low_bit = getattr(model.engine, "low_bit_drafts", False)
+    return {"same": None} | ({"q4": LOW_BIT_DRAFT} if low_bit else {})
 
 
 def _sublayer_costs(base: float, half_attention: float, half_mlp: float, L: int, h: int,

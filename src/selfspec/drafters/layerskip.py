@@ -377,7 +377,18 @@ def _verify_by_head(engine, cache, start: int, outcome: DraftOutcome, hidden: li
 
 # -- the drafter: policies, precision and economy of one method ----------------------------------
 
-DRAFT_DTYPES = ("auto", "same", "float16", "bfloat16")
+DRAFT_DTYPES = ("auto", "same", "float16", "bfloat16", "q4")
+
+
+def _low_bit_precision(model) -> str:
+    """What ``draft_dtype=q4`` means for ``model``: "q4" where the fused stack has 8-bit weights to requantise,
+    "same" where its layer weights are all 4-bit already; an error where the model is not quantised."""
+    engine = model.engine
+    if not engine.fused:
+        raise InvalidInputError("draft_dtype=q4 drafts with 4-bit copies of a quantised (GGUF) model's weights on "
+                                "the native engine; this model runs on torch's kernels "
+                                f"({engine.fused_reason or 'not quantised'}); use same, float16 or bfloat16")
+    return "q4" if engine.low_bit_drafts else "same"
 
 
 @dataclass
@@ -386,9 +397,12 @@ class Drafter:
 
     ``dtype`` is the precision of the draft passes' linear layers: ``same``
     (the model's own, as in the papers), ``float16`` / ``bfloat16`` (a copy of
-    the weights, see :mod:`selfspec.core.kernels`), or ``auto``: the cheapest one
-    the model's cost profile shows to agree with the full model.  Output stays
-    exactly the full model's whatever the choice; only speed changes.
+    the weights, see :mod:`selfspec.core.kernels`), ``q4`` (quantised models on
+    the fused stack: 4-bit copies of the layers' 5-8-bit weights, see
+    :func:`selfspec.core.quant.low_bit_copy`; where every layer weight is 4-bit
+    already it is the model's own), or ``auto``: the cheapest one the model's
+    cost profile shows to agree with the full model.  Output stays exactly the
+    full model's whatever the choice; only speed changes.
     """
 
     length: LengthPolicy
@@ -422,6 +436,8 @@ class Drafter:
                 from ..cost.costs import cost_profile
 
                 self._precision = cost_profile(model).best_precision()
+            elif self.dtype == "q4":
+                self._precision = _low_bit_precision(model)
             else:
                 self._precision = self.dtype
         return self._precision

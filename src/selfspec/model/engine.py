@@ -94,6 +94,17 @@ class Engine:
             head.release_rows()  # its int8 copy serves the products, token lookups and the draft vocabulary
 
     @property
+    def low_bit_drafts(self) -> bool:
+        """Whether the draft precision ``q4`` (4-bit copies of the layers' 8-bit weights) saves anything here:
+        the fused stack runs, and some layer weight is stored at 5-8 bits."""
+        return self.fused and self._fused.has_low_bit
+
+    def release_low_bit(self) -> None:
+        """Free the low-bit draft copies (made again when a draft asks for them)."""
+        if self._fused is not None:
+            self._fused.release_low_bit()
+
+    @property
     def fused(self) -> bool:
         """Whether decoding passes run the native fused decoder stack (:mod:`selfspec.core.fused`)."""
         return self._fused is not None and self.fused_enabled
@@ -180,7 +191,8 @@ class Engine:
         masks = self._masks(start, positions, tree_mask, start if visible is None else visible)
         if self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None:
             prompt = prefill and quant.prefill_kernel() == "gemm"  # (the other prompt kernels never get here)
-            h = self._fused_pass(h, cache, start, skip, ropes, masks, cosine_out, prompt)
+            low_bit = kernels.active_draft_precision() == quant.LOW_BIT_DRAFT  # draft precision q4
+            h = self._fused_pass(h, cache, start, skip, ropes, masks, cosine_out, prompt, low_bit)
         else:
             h = self._module_pass(h, cache, start, skip, ropes, masks, cosine_out)
         if hidden_out is not None:
@@ -231,16 +243,17 @@ class Engine:
         return list(torch.split(logits, [r.shape[1] for r in rows]))
 
     def _fused_pass(self, h: torch.Tensor, cache: KVCache, start: int, skip: SkipSet, ropes, masks,
-                    cosine_out: list | None, prompt: bool) -> torch.Tensor:  # fmt: skip
+                    cosine_out: list | None, prompt: bool, low_bit: bool = False) -> torch.Tensor:  # fmt: skip
         """The decoder layers in the native fused stack (timed for the thread guard when a decoding pass), the
-        mean cosines around each sublayer appended to ``cosine_out`` when it is a list."""
+        mean cosines around each sublayer appended to ``cosine_out`` when it is a list; ``low_bit``: a draft
+        reading the 4-bit copies of the 8-bit weights (draft precision q4)."""
         T = h.shape[1]
         cos = np.full(2 * self.num_layers, np.nan, dtype=np.float32) if cosine_out is not None else None
         t0 = time.perf_counter()
         h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
-                            prompt=prompt)  # fmt: skip
+                            prompt=prompt, low_bit=low_bit)  # fmt: skip
         if T <= GUARDED_ROWS:  # decoding's passes: the thread guard watches them (core/thread_guard.py)
-            thread_guard.observe((id(self), T, skip), 1000 * (time.perf_counter() - t0))
+            thread_guard.observe((id(self), T, skip, low_bit), 1000 * (time.perf_counter() - t0))
         if cos is not None:
             cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
         return h

@@ -1,0 +1,79 @@
+"""Low-bit self-drafts (draft precision ``q4``, method ``lowbit``): draft passes read 4-bit copies of a quantised
+model's 5-8-bit layer weights (core/quant.py ``low_bit_copy``, core/fused.py); verification keeps the model's own
+weights, so every method stays lossless whatever the copies round to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.core.quant import LOW_BIT_DRAFT, low_bit_copy, quantize_weight
+from selfspec.cost.costs import draft_precisions
+from selfspec.errors import InvalidInputError
+
+
+def test_low_bit_copy_is_4_bit_and_within_half_a_step():
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    q8 = quantize_weight(w, 8)
+    low = low_bit_copy(q8)
+    assert low.fmt == "q4" and (low.out_features, low.in_features, low.group) == (48, 96, 32)
+    assert low.step_bytes < q8.step_bytes
+    ref = q8.dequantize().reshape(48, 3, 32)
+    step = (ref.amax(-1) - ref.amin(-1)) / 15  # one 4-bit step per group of 32
+    err = (low.dequantize().reshape(48, 3, 32) - ref).abs().amax(-1)
+    assert torch.all(err <= step / 2 + 1e-6)
+    q4 = quantize_weight(w, 4)
+    assert low_bit_copy(q4) is q4  # nothing to save: shared
+
+
+def test_low_bit_drafts_read_the_copies_and_leave_the_full_model_alone(gemma3):
+    engine = gemma3.engine
+    assert engine.low_bit_drafts and "q4" in draft_precisions(gemma3)  # Q5_0 / Q6_K layer weights here
+    own, low = engine._fused.low_bit_bytes()
+    assert low < 0.8 * own
+    ids = torch.tensor(gemma3.encode("The quick brown fox jumps over the lazy dog because"))
+    cache = engine.new_cache(len(ids) + 4)
+    engine.forward(cache, ids[:-1], 0, prefill=True)
+    full = engine.forward(cache, ids[-1:], len(ids) - 1)
+    same = engine.forward(cache, ids[-1:], len(ids) - 1, draft=True)
+    lowbit = engine.forward(cache, ids[-1:], len(ids) - 1, precision=LOW_BIT_DRAFT)
+    member = engine.draft_vocab.member
+    assert torch.equal(same[:, member], full[:, member])  # the draft in the model's own weights
+    assert not torch.equal(lowbit[:, member], full[:, member])  # the copies were read
+    assert torch.isfinite(lowbit[:, member]).all()
+    assert torch.equal(engine.forward(cache, ids[-1:], len(ids) - 1), full)  # the full model unchanged
+
+
+@pytest.mark.parametrize("method, options", [("lowbit", {}), ("lowbit", {"draft_length": 4}),
+                                             ("asd", {"draft_dtype": "q4"}), ("auto", {"draft_dtype": "q4"})])
+def test_low_bit_drafts_keep_vanillas_tokens(gemma3, method, options):
+    prompts = ("The capital of France is", "def fibonacci(n):\n    ")
+    drafted = 0
+    for prompt in prompts:
+        ref = selfspec.generate(gemma3, prompt, "vanilla", max_new_tokens=40)
+        out = selfspec.generate(gemma3, prompt, method, max_new_tokens=40, **options)
+        assert out.token_ids == ref.token_ids, prompt
+        drafted += out.stats.drafted
+        assert out.stats.draft_precision in ("q4", None)
+    kw = {"temperature": 0.7, "top_p": 0.9, "seed": 11}
+    ref = selfspec.generate(gemma3, "Once upon a time", "vanilla", max_new_tokens=40, **kw)
+    assert selfspec.generate(gemma3, "Once upon a time", method, max_new_tokens=40, **options, **kw).token_ids == \
+        ref.token_ids  # fmt: skip
+    if method == "lowbit":
+        assert drafted > 0  # D&V's confidence exit: drafts whatever the machine's costs
+
+
+def test_lowbit_on_a_model_with_4_bit_layers_drafts_in_its_own_weights(smollm2):
+    assert not smollm2.engine.low_bit_drafts  # Q4_1 throughout: a copy would save nothing
+    assert "q4" not in draft_precisions(smollm2)
+    out = selfspec.generate(smollm2, "The capital of France is", "lowbit", max_new_tokens=24)
+    ref = selfspec.generate(smollm2, "The capital of France is", "vanilla", max_new_tokens=24)
+    assert out.token_ids == ref.token_ids and out.stats.draft_precision == "same"
+
+
+def test_lowbit_needs_a_quantised_model(tiny_llama):
+    assert "q4" not in draft_precisions(tiny_llama)
+    with pytest.raises(InvalidInputError, match="q4"):
+        selfspec.generate(tiny_llama, "Hello", "lowbit", max_new_tokens=8)
+
