@@ -77,3 +77,42 @@ def test_lowbit_needs_a_quantised_model(tiny_llama):
     with pytest.raises(InvalidInputError, match="q4"):
         selfspec.generate(tiny_llama, "Hello", "lowbit", max_new_tokens=8)
 
+
+
+def _cheap_low_bit(agreement: float):
+    """A read-bound profile whose q4 draft reads half the layers' bytes and agrees ``agreement`` of the time."""
+    from dataclasses import replace
+
+    from selfspec.cost.costs import DraftCosts, read_bound_profile
+
+    def source(model_or_engine):
+        prof = read_bound_profile(model_or_engine)
+        same = prof.drafts["same"]
+        q4 = DraftCosts(same.attention_ms / 2, same.mlp_ms / 2, same.base_ms, agreement)
+        return replace(prof, drafts={**prof.drafts, "q4": q4})
+
+    return source
+
+
+@pytest.mark.parametrize(("agreement", "options", "source", "precision"), [
+    (0.95, {}, "lowbit", "q4"),  # the copies agree and save: auto drafts with them
+    (0.5, {}, "asd", "same"),  # they do not agree: ASD's choice in the model's own weights
+    (0.95, {"variant": "cs"}, "asd", "q4"),  # an option of ASD's names the source (its skip sets, in q4)
+    (0.95, {"draft_dtype": "same"}, "asd", "same"),
+])  # fmt: skip
+def test_auto_takes_the_low_bit_source_where_the_profile_does(gemma3, agreement, options, source, precision):
+    from selfspec.core import clock
+    from selfspec.methods import default_self_draft
+
+    with clock.simulated(_cheap_low_bit(agreement)):
+        assert default_self_draft(gemma3, options) == source
+        out = selfspec.Session(gemma3, "auto", **options).generate("The capital of France is", max_new_tokens=24)
+        ref = selfspec.generate(gemma3, "The capital of France is", "vanilla", max_new_tokens=24)
+        assert out.token_ids == ref.token_ids
+        assert out.stats.draft_precision == precision
+
+
+def test_auto_keeps_asd_where_there_is_nothing_to_copy(smollm2):
+    from selfspec.methods import default_self_draft
+
+    assert default_self_draft(smollm2, {}) == "asd"

@@ -65,7 +65,7 @@ class Session:
             self.prefix_store = prefix_cache
         else:
             self.prefix_store = PrefixStore.of_mb(DEFAULT_MB if prefix_cache is None else float(prefix_cache))
-        self.skip_policy, self.draft_policy = build_policies(method, options)
+        self.skip_policy, self.draft_policy = build_policies(method, options, self.model)
         prepare_costs(self.model, self.skip_policy, self.draft_policy)  # measured now, never inside a timed run
         self.last_result: GenerationResult | None = None
 

@@ -323,16 +323,21 @@ METHODS["lookahead"] = MethodSpec(
 )
 
 
+AUTO_SOURCES = ("asd", "swift", "lowbit")
+
+
 def _auto_source(opts: dict[str, Any]) -> str:
-    """The hybrid's layer-skip source: 'asd' (default) or 'swift'; options of the other one are refused."""
+    """The hybrid's self-draft source: 'asd' (default), 'swift' or 'lowbit'; options of another one are refused."""
     source = str(opts.get("layerskip", "asd"))
-    if source not in ("asd", "swift"):
-        raise InvalidInputError(f"layerskip must be 'asd' or 'swift', got {source!r}")
-    other = "swift" if source == "asd" else "asd"
-    theirs = set(METHODS[other].options) - set(METHODS[source].options) - set(AUTO_OWN_OPTIONS)
-    foreign = sorted(k for k in opts if k in theirs)
-    if foreign:
-        raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={other}")
+    if source not in AUTO_SOURCES:
+        raise InvalidInputError(f"layerskip must be one of {', '.join(AUTO_SOURCES)}, got {source!r}")
+    for other in AUTO_SOURCES:
+        theirs = set(METHODS[other].options) - set(METHODS[source].options) - set(AUTO_OWN_OPTIONS)
+        foreign = sorted(k for k in opts if k in theirs)
+        if other != source and foreign:
+            raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={other}")
+    if source == "lowbit" and "draft_dtype" in opts:
+        raise InvalidInputError("layerskip=lowbit drafts in q4 by definition; drop draft_dtype")
     return source
 
 
@@ -344,8 +349,29 @@ def _auto_drafter(opts: dict[str, Any]):
         raise ValueError(f"ngram must be 'suffix' or 'pld', got {ngram!r}")
     shared = {k: opts[k] for k in ("max_ngram", "min_ngram") if k in opts}
     lookup = _suffix_drafter(shared) if ngram == "suffix" else _pld_drafter(shared)
-    layerskip = _asd_drafter(_options_of("asd", opts)) if _auto_source(opts) == "asd" else _swift_drafter(opts)
+    source = _auto_source(opts)
+    if source == "asd":
+        layerskip = _asd_drafter(_options_of("asd", opts))
+    elif source == "lowbit":
+        layerskip = METHODS["lowbit"].build_drafter(_options_of("lowbit", opts))
+    else:
+        layerskip = _swift_drafter(opts)
     return HybridDrafter(lookup, layerskip)
+
+
+def default_self_draft(model: Any, opts: dict[str, Any]) -> str:
+    """``auto``'s self-draft source where none is named: ``lowbit`` where the model's cost profile takes the 4-bit
+    copies of its weights as its draft precision (they agree with the full model and save a share of a draft step:
+    quantised models with 5-8-bit tensors, such as Qwen2.5's Q4_K_M), unless options of ASD's are given; else ASD's
+    automatic choice.  On Qwen2.5-Coder 0.5B ASD's choice in q4 tried skip sets that saved little (an attention
+    sublayer of a GQA model is a small share of a step) and cost acceptance (docs/methods.md, lowbit)."""
+    asd_only = set(METHODS["asd"].options) - set(METHODS["lowbit"].options) - {"layerskip", "max_ngram",
+                                                                                   "min_ngram", "ngram"}  # fmt: skip
+    if "draft_dtype" in opts or asd_only & set(opts) or not getattr(model.engine, "low_bit_drafts", False):
+        return "asd"
+    from .cost.costs import cost_profile
+
+    return "lowbit" if cost_profile(model).best_precision() == "q4" else "asd"
 
 
 def _options_of(method: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -359,8 +385,11 @@ def _options_of(method: str, opts: dict[str, Any]) -> dict[str, Any]:
 # cosine ranking finds at once (Gemma 3, 12 Spec-Bench prompts: asd 1.26x, swift 0.93x; its search found sets
 # skipping MLP sublayers, accepted a third as often); SWIFT's on-line search stays one option away.
 def _auto_skip(opts: dict[str, Any]):
-    if _auto_source(opts) == "asd":
+    source = _auto_source(opts)
+    if source == "asd":
         return _asd(_options_of("asd", opts))
+    if source == "lowbit":
+        return METHODS["lowbit"].build_skip_policy({})
     return _swift({"budget": AUTO_SEARCH_BUDGET, **_options_of("swift", opts)})
 
 
@@ -379,7 +408,8 @@ METHODS["auto"] = MethodSpec(
         **{k: v for k, v in METHODS["asd"].options.items() if k not in ("draft_length",) + ASD_PINNED + ("preset",)},
         "budget": f"layerskip=swift: most skip-set search time as a share of decoding time (default "
         f"{AUTO_SEARCH_BUDGET})",
-        "layerskip": "the layer-skip source: asd (default: ASD's automatic choice) or swift (its on-line search)",
+        "layerskip": "the self-draft source: asd (default: ASD's automatic choice), swift (its on-line search) or "
+        "lowbit (the whole model in 4-bit copies of its weights)",
         "max_ngram": METHODS["pld"].options["max_ngram"],
         "min_ngram": METHODS["pld"].options["min_ngram"],
         "ngram": "the n-gram source: suffix (default: trees over the text and the session's outputs) or pld",
@@ -389,8 +419,9 @@ METHODS["auto"] = MethodSpec(
 )
 
 
-def build_policies(method: str, options: dict[str, Any]):
-    """(skip policy, draft policy) for a method, or (None, None) for vanilla."""
+def build_policies(method: str, options: dict[str, Any], model: Any = None):
+    """(skip policy, draft policy) for a method, or (None, None) for vanilla; given the ``model``, ``auto``
+    without a ``layerskip`` takes the self-draft source that suits it (:func:`default_self_draft`)."""
     spec = METHODS.get(method)
     if spec is None:
         raise InvalidInputError(f"unknown method '{method}'; choose one of {', '.join(METHODS)}")
@@ -399,6 +430,9 @@ def build_policies(method: str, options: dict[str, Any]):
     if unknown:
         valid = ", ".join(spec.options) or "none"
         raise InvalidInputError(f"method '{method}' has no option(s) {', '.join(unknown)}; valid: {valid}")
+    if method == "auto" and "layerskip" not in opts and model is not None:
+        _auto_source(opts)  # options of one source only, checked before choosing
+        opts["layerskip"] = default_self_draft(model, opts)
     if spec.build_skip_policy is None and spec.build_drafter is None:
         return None, None
     try:
