@@ -131,7 +131,7 @@ def test_a_losing_layer_skip_source_sits_out_but_still_explores():
 @pytest.mark.parametrize(("options", "message"), [
     ({"schedule": "paper"}, "schedule applies to layerskip=swift"),
     ({"layerskip": "swift", "explore_every": 4}, "explore_every applies to layerskip=asd"),
-    ({"layerskip": "eagle"}, "layerskip must be 'asd' or 'swift'"),
+    ({"layerskip": "eagle"}, "layerskip must be one of asd, swift, lowbit"),
 ])
 def test_auto_refuses_the_other_layer_skip_sources_options(tiny_llama, options, message):
     with pytest.raises(InvalidInputError, match=message):

@@ -14,7 +14,16 @@ import torch
 from test_quant import assert_rows_are_independent, random_blocks
 
 from selfspec.core import quant
-from selfspec.core.quant import CFLAGS, ISA_FLAGS, SOURCES, activations, from_gguf, int8_kernels_available, pack_x16
+from selfspec.core.quant import (
+    CFLAGS,
+    ISA_FLAGS,
+    SOURCES,
+    activations,
+    from_gguf,
+    int8_kernels_available,
+    low_bit_copy,
+    pack_x16,
+)
 from selfspec.errors import SelfspecError
 
 KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0"]  # q4 and q8 forms; Q6_K: groups of 16
@@ -123,9 +132,11 @@ def test_every_int8_path_computes_the_same_numbers(tmp_path, isa, kind_code):
     lib = ctypes.CDLL(str(lib_path))
     assert lib.selfspec_int8_kernels() == kind_code
     with activations("int8"):
-        for kind in ("Q4_K", "Q8_0", "Q6_K", "Q5_K"):
+        for kind in ("Q4_K", "Q8_0", "Q6_K", "Q5_K", "Q8_0->q4"):  # the last: a symmetric 4-bit draft copy
             for T in (1, 5, 9):
-                qw = from_gguf(kind, random_blocks(kind, 48, 512, seed=4), 48, 512)
+                source = kind.split("->")[0]
+                qw = from_gguf(source, random_blocks(source, 48, 512, seed=4), 48, 512)
+                qw = low_bit_copy(qw) if "->" in kind else qw
                 x = 3 * torch.randn(T, 512, generator=torch.Generator().manual_seed(5 + T))
                 y = torch.empty(T, 48)
                 codes, scale, minv = qw.x16()

@@ -13,18 +13,41 @@ from selfspec.cost.costs import draft_precisions
 from selfspec.errors import InvalidInputError
 
 
-def test_low_bit_copy_is_4_bit_and_within_half_a_step():
+def test_low_bit_copy_is_symmetric_4_bit_within_a_step():
     w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
     q8 = quantize_weight(w, 8)
     low = low_bit_copy(q8)
-    assert low.fmt == "q4" and (low.out_features, low.in_features, low.group) == (48, 96, 32)
-    assert low.step_bytes < q8.step_bytes
+    assert low.fmt == "q4" and low.symmetric and (low.out_features, low.in_features, low.group) == (48, 96, 32)
+    assert not low.has_minima and low.step_bytes == 48 * 96 // 2 + 4 * 48 * 3  # codes and one scale per group
     ref = q8.dequantize().reshape(48, 3, 32)
-    step = (ref.amax(-1) - ref.amin(-1)) / 15  # one 4-bit step per group of 32
-    err = (low.dequantize().reshape(48, 3, 32) - ref).abs().amax(-1)
-    assert torch.all(err <= step / 2 + 1e-6)
+    step = ref.abs().amax(-1) / 8  # one 4-bit step per group of 32 (Q4_0's scale)
+    err = (low.dequantize().reshape(48, 3, 32) - ref).abs()
+    assert torch.all(err <= step.unsqueeze(-1) + 1e-6)  # a full step only where +8 d clamps to 7 d
+    assert float((err <= step.unsqueeze(-1) / 2 + 1e-6).float().mean()) > 0.95
     q4 = quantize_weight(w, 4)
     assert low_bit_copy(q4) is q4  # nothing to save: shared
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_symmetric_q4_products_match_its_row_form(rows):
+    """The interleaved copy stores no minimum (the int8 kernels compute -8 d): the same numbers as the row
+    form, which keeps it; and the row form rebuilt from the copy is the original."""
+    from selfspec.core.quant import activations
+
+    w = low_bit_copy(quantize_weight(torch.randn(64, 128, generator=torch.Generator().manual_seed(1)), 8))
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(2))
+    codes, scale, minv = w.codes.clone(), w.scale.clone(), w.minv.clone()
+    idx = torch.tensor([0, 17, 63])
+    before = w.rows(idx)
+    assert torch.allclose(before[0, :16], minv[0, 0] + scale[0, 0] * (codes[0, :16] & 15).float())
+    with activations("int8"):
+        assert w.x16()[2] is None
+        y = w.matmul(x)
+        assert w.release_rows()
+        assert torch.equal(w.rows(idx), before)  # rows read from the copy: the row form's minimum, -8 d
+        assert torch.equal(w.matmul(x), y)
+    w.restore_rows()
+    assert torch.equal(w.codes, codes) and torch.equal(w.scale, scale) and torch.equal(w.minv, minv)
 
 
 def test_low_bit_drafts_read_the_copies_and_leave_the_full_model_alone(gemma3):

@@ -13,7 +13,8 @@
  * holding code k = 4j + i of row r; q4 packs k = 4j + i in the low nibble and k = 16 + 4j + i in the high
  * nibble of the same byte (exactly the bytes of quant.py's q4 form, reordered), q8 stores code + 128 as an
  * unsigned byte.  Per group and row: scale d and minimum m with w = d * code + m (q8: m already includes
- * -128 d; a symmetric q8 weight, Q8_0, stores no minimum and m = -128 d is computed: a tenth less to read).
+ * -128 d; a symmetric q8 weight, Q8_0, stores no minimum and m = -128 d is computed: a tenth less to read; a
+ * symmetric q4 weight, the 4-bit draft copies of quant.py's low_bit_copy, likewise m = -8 d: a sixth less).
  * A row's product is then  sum_g  d_g * dx_g * sum_k(code * xq)  +  m_g * dx_g * sum_k(xq).
  *
  * Row independence (what keeps speculative decoding token-identical): a row of x is quantised on its own, its
@@ -186,8 +187,9 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
             for (int j = 0; j < G / 4; j++) w[j] = _mm512_loadu_si512(c + 64 * j);
         }
         const __m512 dv = _mm512_loadu_ps(scale + g * 16);
-        /* symmetric q8 (no stored minimum): -128 d, exactly what pack_x16 would have stored */
-        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(-128.0f)) : _mm512_loadu_ps(minv + g * 16);
+        /* symmetric (no stored minimum): -128 d (q8) or -8 d (q4), exactly the row form's minimum */
+        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(BITS == 4 ? -8.0f : -128.0f))
+                              : _mm512_loadu_ps(minv + g * 16);
         for (int t = 0; t < NB; t++) {
             const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* two chains: integer sums are */
@@ -262,7 +264,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                     __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
             const uint8_t *c = codes + g * group_bytes + 32 * h;
             const __m256 dv = _mm256_loadu_ps(scale + g * 16 + 8 * h);
-            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(-128.0f)) : _mm256_loadu_ps(minv + g * 16 + 8 * h);
+            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(BITS == 4 ? -8.0f : -128.0f))
+                                  : _mm256_loadu_ps(minv + g * 16 + 8 * h);
             __m256i w[8];
             if (BITS == 4)
                 for (int j = 0; j < 4; j++) {
@@ -345,7 +348,7 @@ static void block_portable(int bits, long K, long G, const int8_t *xq, const flo
         const float dxg = dx[(g * G) / 32], dsg = G == 32 ? ds32[g] : ds16[g];
         for (int r = 0; r < 16; r++) {
             acc[r] = fmaf((float)s[r], scale[g * 16 + r] * dxg, acc[r]);
-            acc[r] = fmaf(minv ? minv[g * 16 + r] : -128.0f * scale[g * 16 + r], dsg, acc[r]);
+            acc[r] = fmaf(minv ? minv[g * 16 + r] : (bits == 4 ? -8.0f : -128.0f) * scale[g * 16 + r], dsg, acc[r]);
         }
     }
     for (int r = 0; r < 16; r++) y[r] = bias ? acc[r] + bias[r] : acc[r];
@@ -363,8 +366,10 @@ static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows 
         const float *bb = bias ? bias + nb * 16 : NULL;
 #if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
         float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
-        if (bits == 4)
+        if (bits == 4 && m)
             BLOCK_ROWS(4, 32, 0);
+        else if (bits == 4)
+            BLOCK_ROWS(4, 32, 1);
         else if (G == 32 && m)
             BLOCK_ROWS(8, 32, 0);
         else if (G == 32)

@@ -57,6 +57,7 @@ class HybridDrafter:
 
     def __init__(self, lookup: PromptLookupDrafter | SuffixDrafter, layerskip: LayerSkipDrafter) -> None:
         self.lookup, self.layerskip = lookup, layerskip
+        layerskip.priced = True  # its rounds' gain is judged by measured costs, not the profile's (machines drift)
         self.skip_gain = 1.0  # layer-skip rounds' measured tokens per vanilla step (1: break-even)
         self._step_ms: float | None = None  # a vanilla step by the cost profile, where the source has no economy
         self._source: str | None = None
@@ -80,7 +81,7 @@ class HybridDrafter:
     def bind(self, model, skip) -> None:
         self.lookup.bind(model, skip)
         self.layerskip.bind(model, skip)
-        if self.layerskip.economy is None:  # (a fixed draft precision and no cost-aware policy: no pricing)
+        if self.layerskip.economy is None:  # (a source that never prices: none of ours, since priced is set)
             from ..cost.costs import cost_profile
 
             self._step_ms = cost_profile(model).forward(1)

@@ -409,6 +409,7 @@ class Drafter:
     tree: TreePolicy | None = None
     dtype: str = "auto"
     economy: Economy | None = None
+    priced: bool = False  # keep an economy (measured costs) even where no policy of its own reads it: auto's source
     _precision: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -427,7 +428,7 @@ class Drafter:
     @property
     def needs_profile(self) -> bool:
         cost_aware = isinstance(self.length, CostAwareExit) or isinstance(self.tree, CostAwareTreeWidths)
-        return cost_aware or self.dtype == "auto"
+        return cost_aware or self.priced or self.dtype == "auto"
 
     def precision(self, model) -> str:
         """The draft precision name for ``model`` (``auto`` resolved once, from the cost profile)."""
