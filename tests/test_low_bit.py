@@ -139,3 +139,22 @@ def test_auto_keeps_asd_where_there_is_nothing_to_copy(smollm2):
     from selfspec.methods import default_self_draft
 
     assert default_self_draft(smollm2, {}) == "asd"
+
+
+@pytest.mark.parametrize(("saving", "head_only", "expected"), [
+    (0.5, False, "q4"),  # half the layers' cost, full verification the only kind: q4
+    (0.5, True, "q4"),  # ... and still more than head-only rounds in the model's own weights earn
+    (0.2, True, "same"),  # a fifth less, but verified by full passes: head-only rounds earn more
+    (0.2, False, "q4"),
+])  # fmt: skip
+def test_the_auto_precision_weighs_head_only_verification(gemma3, saving, head_only, expected):
+    from dataclasses import replace
+
+    from selfspec.cost.costs import DraftCosts, read_bound_profile
+
+    prof = read_bound_profile(gemma3)
+    same = prof.drafts["same"]
+    layers = prof.num_layers * (same.attention_ms + same.mlp_ms)
+    q4 = DraftCosts(0.0, 0.0, same.base_ms + (1 - saving) * layers, 0.95)  # all in base: a draft keeping every layer
+    prof = replace(prof, drafts={**prof.drafts, "q4": q4})
+    assert prof.best_precision(head_only) == expected

@@ -369,9 +369,9 @@ def default_self_draft(model: Any, opts: dict[str, Any]) -> str:
                                                                                    "min_ngram", "ngram"}  # fmt: skip
     if "draft_dtype" in opts or asd_only & set(opts) or not getattr(model.engine, "low_bit_drafts", False):
         return "asd"
-    from .cost.costs import cost_profile
+    from .cost.costs import best_precision
 
-    return "lowbit" if cost_profile(model).best_precision() == "q4" else "asd"
+    return "lowbit" if best_precision(model) == "q4" else "asd"
 
 
 def _options_of(method: str, opts: dict[str, Any]) -> dict[str, Any]:

@@ -142,8 +142,12 @@ class CostProfile:
         """c: draft step cost / full one-token pass."""
         return self.draft_step(skip, precision) / self.forward(1)
 
-    def best_precision(self) -> str:
-        """The draft precision "auto" means: the cheapest that agrees with the full model and saves enough."""
+    def best_precision(self, head_only: bool = False) -> str:
+        """The draft precision "auto" means: the cheapest that agrees with the full model and saves enough.
+        ``head_only``: a draft in the model's own precision that skips nothing is verified by the full head alone
+        (:func:`~selfspec.cost.economy.verifies_by_head`); a cheaper precision then wins only where its drafts,
+        verified by full passes, are predicted to earn more (Gemma 3: its 262k-row head is most of a step, and
+        the q4 copies of its layers save less than a verification pass costs)."""
         def all_layers(c: DraftCosts) -> float:  # a draft pass keeping every sublayer
             return c.base_ms + self.num_layers * (c.attention_ms + c.mlp_ms)
 
@@ -153,6 +157,20 @@ class CostProfile:
             ms = all_layers(c)
             if c.agreement >= MIN_AGREEMENT and ms <= (1 - MIN_SAVING) * same_ms and ms < best_ms:
                 best, best_ms = name, ms
+        if head_only and best != "same" and self.chain_speedup("same", True) >= self.chain_speedup(best, False):
+            return "same"
+        return best
+
+    def chain_speedup(self, precision: str, head_only: bool, max_draft: int = 12) -> float:
+        """Predicted speedup of drafting chains that skip nothing in ``precision``, at their best length, each
+        token kept with the precision's measured agreement; ``head_only``: verified by the full head alone."""
+        step = self.draft_step(_NOTHING, precision)
+        a = min(self.drafts[precision].agreement, 0.99)
+        best = 0.0
+        for k in range(1, max_draft + 1):
+            tokens = (1 - a ** (k + 1)) / (1 - a)
+            cost = k * step + self.verification(k + 1, step if head_only else None)
+            best = max(best, tokens * self.forward(1) / cost)
         return best
 
     def to_dict(self) -> dict[str, Any]:
@@ -237,8 +255,9 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
         print(f"selfspec: measuring the decoding costs of {model.name} on this machine (once, about "
               f"{_estimate_s(model):.0f} s)...", file=sys.stderr)
         prof = measure_profile(model, key=key)
-        model.adapter.release_draft_copies(PRECISIONS[prof.best_precision()])  # keep only the copy "auto" uses
-        if prof.best_precision() != "q4":
+        best = prof.best_precision(_head_only(model))
+        model.adapter.release_draft_copies(PRECISIONS[best])  # keep only the copy "auto" uses
+        if best != "q4":
             model.engine.release_low_bit()
         if prof.spread > clock.BUSY_SPREAD:  # other work took the cores: kept for this process only
             print(f"selfspec: the machine was busy while measuring (timings of one pass {prof.spread:.1f}x apart "
@@ -248,6 +267,18 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
             atomic_write_text(path, json.dumps(prof.to_dict(), indent=1) + "\n")
     _MEMORY[key] = prof
     return prof
+
+
+def _head_only(model) -> bool:
+    """Whether ``model``'s drafts that skip nothing in its own precision are verified by the head alone."""
+    from .economy import verifies_by_head
+
+    return verifies_by_head(getattr(model, "engine", None), _NOTHING, None)
+
+
+def best_precision(model) -> str:
+    """The draft precision ``draft_dtype=auto`` means for ``model`` (:meth:`CostProfile.best_precision`)."""
+    return cost_profile(model).best_precision(_head_only(model))
 
 
 def prepare_costs(model, *policies) -> None:

@@ -10,9 +10,12 @@ step is cheap next to a full one).  Each round:
 1. the lookup source looks for a match; its own pricing proposes the draft
    length with the best expected tokens per unit of verification cost (none
    where no length pays), from the acceptance it has observed per n-gram size;
-2. that expected gain (in tokens per vanilla step) is compared with the gain
-   the layer-skip source has *measured* over its recent rounds (tokens per
-   vanilla step's worth of round time, a running mean; it starts at break-even);
+2. that expected gain (in tokens per vanilla step), times the running mean of
+   its rounds' measured / predicted gain (the calibration: the prediction
+   leaves out per-round costs and over-trusts short matches), is compared with
+   the gain the layer-skip source has *measured* over its recent rounds (tokens
+   per vanilla step's worth of round time, a running mean; it starts at
+   break-even);
 3. the better source drafts.  The layer-skip source may still decline (its
    cost-aware exit drafts nothing where not even one token pays, as on a
    quantised model where a draft step costs about what a full one does), and
@@ -40,6 +43,7 @@ from .suffix import SuffixDrafter
 SMOOTHING = 0.2  # weight of the newest round in the layer-skip source's measured gain
 EXPLORE_EVERY = 16  # a layer-skip source that loses time still drafts once in this many rounds it could have
 MAX_BACKOFF = 8  # ... or, while its exploring rounds keep losing, in up to this many times as many
+CALIBRATION_RANGE = (0.25, 2.0)  # one lookup round's measured / predicted gain, clamped (one outlier moves little)
 
 
 @dataclass
@@ -59,6 +63,10 @@ class HybridDrafter:
         self.lookup, self.layerskip = lookup, layerskip
         layerskip.priced = True  # its rounds' gain is judged by measured costs, not the profile's (machines drift)
         self.skip_gain = 1.0  # layer-skip rounds' measured tokens per vanilla step (1: break-even)
+        # the lookup source's gains are predictions (its acceptance per n-gram size and the cost curve), the
+        # layer-skip source's are measured: lookup rounds' measured / predicted gain puts them on one footing
+        self.lookup_calibration = 1.0
+        self._predicted = 0.0  # the lookup gain predicted for the current round
         self._step_ms: float | None = None  # a vanilla step by the cost profile, where the source has no economy
         self._source: str | None = None
         self._idle = 0  # rounds the losing layer-skip source sat out since it last drafted
@@ -95,8 +103,8 @@ class HybridDrafter:
     def propose(self, history: Sequence[int], *, model, cache, skip, budget: int,
                 sampler: Sampler = GREEDY_SAMPLER) -> DraftOutcome | None:  # fmt: skip
         outcome = self.lookup.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler)
-        if outcome is not None and self.lookup.last_gain >= self.skip_gain:
-            self._source = "lookup"
+        if outcome is not None and self.lookup.last_gain * self.lookup_calibration >= self.skip_gain:
+            self._source, self._predicted = "lookup", self.lookup.last_gain
             return outcome
         if self.skip_gain < 1.0 and self._idle < min(self._wait, EXPLORE_EVERY * MAX_BACKOFF):
             self._idle += 1  # layer-skip rounds have been losing time
@@ -127,12 +135,15 @@ class HybridDrafter:
         st.drafted += outcome.steps
         st.accepted += len(path) - 1
         st.ms += draft_ms + verify_ms
+        # a vanilla step: not this round's verification, which a head-only round (drafters/layerskip.py)
+        # makes inside its draft (draft_ms + verify_ms holds the whole round either way)
+        econ = self.layerskip.economy
+        step_ms = econ.verify_ms(1) if econ is not None else self._step_ms or verify_ms
+        gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
+        if source == "lookup" and 0 < self._predicted < float("inf"):
+            ratio = min(max(gain / self._predicted, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
+            self.lookup_calibration = (1 - SMOOTHING) * self.lookup_calibration + SMOOTHING * ratio
         if source == "layerskip":
-            # a vanilla step: not this round's verification, which a head-only round (drafters/layerskip.py)
-            # makes inside its draft (draft_ms + verify_ms holds the whole round either way)
-            econ = self.layerskip.economy
-            step_ms = econ.verify_ms(1) if econ is not None else self._step_ms or verify_ms
-            gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
             self.skip_gain = (1 - SMOOTHING) * self.skip_gain + SMOOTHING * gain
             if self.skip_gain >= 1.0:
                 self._wait = EXPLORE_EVERY

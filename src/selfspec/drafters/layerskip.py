@@ -434,9 +434,9 @@ class Drafter:
         """The draft precision name for ``model`` (``auto`` resolved once, from the cost profile)."""
         if self._precision is None:
             if self.dtype == "auto":
-                from ..cost.costs import cost_profile
+                from ..cost.costs import best_precision
 
-                self._precision = cost_profile(model).best_precision()
+                self._precision = best_precision(model)
             elif self.dtype == "q4":
                 self._precision = _low_bit_precision(model)
             else:
