@@ -53,7 +53,7 @@ LLAMA_CPP ?= $(HOME)/.cache/llama-cpp-reference/bin
 BENCH := $(BIN)/selfspec bench --max-new-tokens 128 --warmup 1
 SPEC5 := --dataset spec-bench --limit 5 --methods vanilla,auto,pld,suffix,swift,asd
 XH := --stream xsum,humaneval --limit 5 --methods vanilla,asd,auto,pld
-SELFDRAFT := --dataset spec-bench --limit 1 --max-new-tokens 128 --methods vanilla,vocab,asd,auto,pld
+SELFDRAFT := --dataset spec-bench --max-new-tokens 128 --methods vanilla,lowbit,vocab,asd,auto,pld
 PEERS := --dataset spec-bench --limit 2 --methods vanilla,auto,pld,suffix,asd,swift,lookahead,hf,llamacpp --llama-cpp $(LLAMA_CPP)
 
 results: install
@@ -69,9 +69,9 @@ results: install
 		--temperature 0.7 --top-p 0.9 --seed 0 --out docs/results/specbench-t0.7-gemma3-270m
 	$(BENCH) --model smollm2-135m $(PEERS) --out docs/results/specbench-peers-smollm2-135m
 	$(BENCH) --model gemma3-270m $(PEERS) --out docs/results/specbench-peers-gemma3-270m
-	$(BIN)/selfspec bench --model smollm2-135m $(SELFDRAFT) --out docs/results/selfdraft-smollm2-135m
-	$(BIN)/selfspec bench --model gemma3-270m $(SELFDRAFT) --out docs/results/selfdraft-gemma3-270m
-	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(SELFDRAFT) --out docs/results/selfdraft-qwen2.5-coder-0.5b
+	$(BIN)/selfspec bench --model smollm2-135m $(SELFDRAFT) --limit 2 --out docs/results/selfdraft-smollm2-135m
+	$(BIN)/selfspec bench --model gemma3-270m $(SELFDRAFT) --limit 2 --out docs/results/selfdraft-gemma3-270m
+	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(SELFDRAFT) --limit 5 --out docs/results/selfdraft-qwen2.5-coder-0.5b
 	$(BIN)/selfspec bench --model smollm2-135m --dataset spec-bench --limit 6 --clients 4 --requests 8 \
 		--methods vanilla,auto,llamacpp --max-new-tokens 64 --llama-cpp $(LLAMA_CPP) --out docs/results/load-smollm2-135m
 

@@ -43,10 +43,12 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=int, help="lookahead: W, the Jacobi window's columns (3 on a CPU, else 15)")
     g.add_argument("--ngram-size", type=int, help="lookahead: N, the n-gram size (2 on a CPU, else 5)")
     g.add_argument("--guesses", type=int, help="lookahead: G, most pool n-grams verified per round (3 / 15)")
-    g.add_argument("--layerskip", choices=("asd", "swift"),
-                   help="auto: the layer-skip source, ASD's automatic choice (default) or SWIFT's search")
-    g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16"),
-                   help="precision of the draft passes' weights (auto: the cheapest that agrees, measured)")
+    g.add_argument("--layerskip", choices=("asd", "swift", "lowbit"),
+                   help="auto: the self-draft source: ASD's automatic choice (default; lowbit where the model's "
+                        "4-bit copies pay), SWIFT's search, or lowbit")
+    g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16", "q4"),
+                   help="precision of the draft passes' weights (auto: the cheapest that agrees, measured; q4: "
+                        "4-bit copies of a quantised model's 5-8-bit weights)")
     s = p.add_argument_group("swift and auto options (defaults: the paper's, except where noted)")
     s.add_argument("--state", help="JSON file to load SWIFT's optimiser state from and save it to")
     s.add_argument("--context-window", type=int, help="tokens scored per optimisation step (32)")

@@ -171,6 +171,10 @@ class FusedStack:
                             m.qweight.release_rows()
         return self._low_structs
 
+    def prepare_low_bit(self) -> None:
+        """Make the low-bit copies and their structs now (else on the first low-bit pass)."""
+        self._low_bit_structs()
+
     def release_low_bit(self) -> None:
         """Drop the low-bit copies (memory), made again if a draft asks for them."""
         self._low_linears = self._low_structs = None

@@ -282,10 +282,12 @@ def best_precision(model) -> str:
 
 
 def prepare_costs(model, *policies) -> None:
-    """Measure (or load) the cost profile now if one of ``policies`` will need it, so that the first timed
-    generation does not pay for the measurement."""
+    """Measure (or load) the cost profile now if one of ``policies`` will need it, and make the 4-bit draft copies
+    if one drafts with them, so that the first timed generation pays for neither."""
     if any(getattr(p, "needs_profile", False) for p in policies if p is not None):
         cost_profile(model)
+    if any(p is not None and hasattr(p, "precision") and p.precision(model) == "q4" for p in policies):
+        model.engine.prepare_low_bit()
 
 
 def _estimate_s(model) -> float:
