@@ -53,7 +53,7 @@ def test_symmetric_q4_products_match_its_row_form(rows):
 def test_low_bit_drafts_read_the_copies_and_leave_the_full_model_alone(gemma3):
     engine = gemma3.engine
     assert engine.low_bit_drafts and "q4" in draft_precisions(gemma3)  # Q5_0 / Q6_K layer weights here
-    own, low = engine._fused.low_bit_bytes()
+    own, low = engine.low_bit_bytes()
     assert low < 0.8 * own
     ids = torch.tensor(gemma3.encode("The quick brown fox jumps over the lazy dog because"))
     cache = engine.new_cache(len(ids) + 4)

@@ -435,6 +435,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         _print_quantized(model, steps[1])
     paths = _engine_paths(model)
     print(f"decoder layers: {paths['decoder_layers']}; prompt prefill products: {paths['prefill_dtype']}")
+    if "low_bit_drafts" in paths:
+        print(f"low-bit drafts: {paths['low_bit_drafts']}")
     for tuned in model.native_tuning:
         print(f"kernel variant chosen by timing passes here{' (cached)' if tuned.cached else ''}: {tuned.describe()}")
     if model.quantization != "none":
@@ -555,7 +557,13 @@ def _engine_paths(model) -> dict[str, str]:
                 "split": " (bf16 dot products of exact 3-piece activation splits, prefill_gemm.c)",
                 "tiles": " (torch's GEMM on decoded weight tiles)",
             }[prefill_kernel()]
-    return {"decoder_layers": layers, "prefill_dtype": prefill}
+    out = {"decoder_layers": layers, "prefill_dtype": prefill}
+    if engine.low_bit_drafts:
+        own, low = engine.low_bit_bytes()
+        out["low_bit_drafts"] = (f"a draft step in q4 (method lowbit, draft_dtype=q4) reads {low / 1e6:.0f} MB of "
+                                 f"layer weights where a full step reads {own / 1e6:.0f} MB (4-bit copies of the "
+                                 "5-8-bit tensors, made when a method drafts with them)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

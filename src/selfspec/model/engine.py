@@ -99,6 +99,10 @@ class Engine:
         the fused stack runs, and some layer weight is stored at 5-8 bits."""
         return self.fused and self._fused.has_low_bit
 
+    def low_bit_bytes(self) -> tuple[int, int]:
+        """Bytes of layer weights a full pass and a low-bit draft pass read (the copies made if need be)."""
+        return self._fused.low_bit_bytes() if self.low_bit_drafts else (0, 0)
+
     def prepare_low_bit(self) -> None:
         """Make the low-bit draft copies now (about a second for a 0.5B model) rather than in the first draft."""
         if self.low_bit_drafts:
