@@ -153,6 +153,21 @@ def test_concurrent_decodings_give_each_request_its_tokens_alone(smollm2):
     assert batcher.members == 0, "every decoding left the batch"
 
 
+@pytest.mark.slow
+def test_low_bit_drafts_in_a_batch_keep_each_requests_tokens(gemma3):
+    """Drafts from the 4-bit copies (method lowbit, ``draft_dtype=q4``) beside other requests: the batch's pass
+    verifies them with the model's own weights, so each request gets its tokens alone."""
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=5)
+    jobs = [("lowbit", PROMPTS[0], 32, SamplingParams(), None), ("vanilla", PROMPTS[1], 24, SamplingParams(), None),
+            ("lowbit", PROMPTS[2], 24, seeded, None), ("asd", PROMPTS[3], 24, SamplingParams(), None)]  # fmt: skip
+    alone = {i: Session(gemma3, m, prefix_cache=0).generate(
+                 p, max_new_tokens=n, temperature=s.temperature, top_p=s.top_p, seed=s.seed).token_ids
+             for i, (m, p, n, s, _) in enumerate(jobs)}  # fmt: skip
+    batcher = StepBatcher(gemma3.engine)
+    assert _run_together(gemma3, jobs, batcher) == alone
+    assert batcher.stats.sequences > batcher.stats.passes
+
+
 def _profile(forward_ms: dict[int, float]) -> CostProfile:
     return CostProfile("hand-written", forward_ms, {"same": DraftCosts(0.1, 0.3, 0.5, 1.0)}, 4)
 
