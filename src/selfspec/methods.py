@@ -369,7 +369,7 @@ def default_self_draft(model: Any, opts: dict[str, Any]) -> str:
                                                                                    "min_ngram", "ngram"}  # fmt: skip
     if "draft_dtype" in opts or asd_only & set(opts) or not getattr(model.engine, "low_bit_drafts", False):
         return "asd"
-    from .cost.costs import best_precision
+    from .cost.economy import best_precision
 
     return "lowbit" if best_precision(model) == "q4" else "asd"
 

@@ -255,7 +255,7 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
         print(f"selfspec: measuring the decoding costs of {model.name} on this machine (once, about "
               f"{_estimate_s(model):.0f} s)...", file=sys.stderr)
         prof = measure_profile(model, key=key)
-        best = prof.best_precision(_head_only(model))
+        best = prof.best_precision(getattr(model.engine, "draft_vocab", None) is not None)  # (alone: not batched)
         model.adapter.release_draft_copies(PRECISIONS[best])  # keep only the copy "auto" uses
         if best != "q4":
             model.engine.release_low_bit()
@@ -267,18 +267,6 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
             atomic_write_text(path, json.dumps(prof.to_dict(), indent=1) + "\n")
     _MEMORY[key] = prof
     return prof
-
-
-def _head_only(model) -> bool:
-    """Whether ``model``'s drafts that skip nothing in its own precision are verified by the head alone."""
-    from .economy import verifies_by_head
-
-    return verifies_by_head(getattr(model, "engine", None), _NOTHING, None)
-
-
-def best_precision(model) -> str:
-    """The draft precision ``draft_dtype=auto`` means for ``model`` (:meth:`CostProfile.best_precision`)."""
-    return cost_profile(model).best_precision(_head_only(model))
 
 
 def prepare_costs(model, *policies) -> None:

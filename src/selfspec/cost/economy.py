@@ -30,7 +30,7 @@ from typing import Any
 
 from ..core.skipset import SkipSet
 from ..decoding import batch_share
-from .costs import CostProfile
+from .costs import CostProfile, cost_profile
 
 
 def verifies_by_head(engine: Any, skip: SkipSet | None, precision: Any) -> bool:
@@ -43,6 +43,12 @@ def verifies_by_head(engine: Any, skip: SkipSet | None, precision: Any) -> bool:
     if skip is None or skip.attention or skip.mlp or precision is not None:
         return False
     return getattr(engine, "draft_vocab", None) is not None and not batch_share.batched()
+
+
+def best_precision(model: Any) -> str:
+    """The draft precision ``draft_dtype=auto`` means for ``model`` (:meth:`CostProfile.best_precision`, with
+    head-only verification where its drafts that skip nothing in its own precision get it)."""
+    return cost_profile(model).best_precision(verifies_by_head(getattr(model, "engine", None), SkipSet(), None))
 
 
 @dataclass

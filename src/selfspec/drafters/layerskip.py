@@ -434,7 +434,7 @@ class Drafter:
         """The draft precision name for ``model`` (``auto`` resolved once, from the cost profile)."""
         if self._precision is None:
             if self.dtype == "auto":
-                from ..cost.costs import best_precision
+                from ..cost.economy import best_precision
 
                 self._precision = best_precision(model)
             elif self.dtype == "q4":
