@@ -158,3 +158,27 @@ def test_the_auto_precision_weighs_head_only_verification(gemma3, saving, head_o
     q4 = DraftCosts(0.0, 0.0, same.base_ms + (1 - saving) * layers, 0.95)  # all in base: a draft keeping every layer
     prof = replace(prof, drafts={**prof.drafts, "q4": q4})
     assert prof.best_precision(head_only) == expected
+
+
+def test_low_bit_drafts_follow_the_activation_mode(gemma3):
+    """The copies serve int8 products (packed, row form dropped) and fp32 ones (row form rebuilt): a draft in
+    either mode after the other gives that mode's logits."""
+    from selfspec.core.quant import activations
+
+    engine = gemma3.engine
+    ids = torch.tensor(gemma3.encode("A short test of both activation modes"))
+
+    def draft():
+        cache = engine.new_cache(len(ids) + 2)
+        engine.forward(cache, ids[:-1], 0)
+        return engine.forward(cache, ids[-1:], len(ids) - 1, precision=LOW_BIT_DRAFT)
+
+    with activations("int8"):
+        a = draft()
+    with activations("fp32"):
+        b = draft()
+    with activations("int8"):
+        assert torch.equal(draft(), a)
+    member = engine.draft_vocab.member
+    assert torch.isfinite(b[:, member]).all() and not torch.equal(a[:, member], b[:, member])
+    assert int(a[:, member].argmax()) == int(b[:, member].argmax())

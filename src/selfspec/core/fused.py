@@ -161,14 +161,17 @@ class FusedStack:
 
     def _low_bit_structs(self):
         if self._low_structs is None:
-            layers = self._low_bit_linears()
-            self._low_structs = (_Layer * len(self.layers))(
-                *(self._struct(layer, linears) for layer, linears in zip(self.layers, layers, strict=True)))
-            if self.int8:  # the copies are multiplied only: their row form is never read
-                for linears, layer in zip(layers, self.layers, strict=True):
-                    for m, own in zip(linears, layer.linears, strict=True):
-                        if m is not own:
-                            m.qweight.release_rows()
+            structs = []
+            for layer, linears in zip(self.layers, self._low_bit_linears(), strict=True):
+                for m, own in zip(linears, layer.linears, strict=True):
+                    if m is own:
+                        continue
+                    if self.int8:  # the copies are multiplied only: packed, their row form goes (NULL in the struct)
+                        m.qweight.release_rows()
+                    else:  # fp32 activations read the row form (rebuilt if an int8 pass had dropped it)
+                        m.qweight.restore_rows()
+                structs.append(self._struct(layer, linears))
+            self._low_structs = (_Layer * len(self.layers))(*structs)
         return self._low_structs
 
     def prepare_low_bit(self) -> None:
