@@ -389,3 +389,16 @@ def test_an_unknown_prefill_kernel_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(quant.PREFILL_KERNEL_ENV, "fastest")
     with pytest.raises(SelfspecError, match="SELFSPEC_PREFILL_KERNEL must be one of rows, gemm, split, tiles"):
         quant.prefill_kernel()
+
+
+def test_a_pass_reads_every_product_but_not_an_embedding_table_of_its_own():
+    from torch import nn
+
+    from selfspec.core.quant import QuantEmbedding, QuantLinear, quantize_weight, quantized_bytes
+
+    table, proj = quantize_weight(torch.randn(64, 32), 8), quantize_weight(torch.randn(16, 32), 4)
+    untied = nn.ModuleList([QuantEmbedding(table), QuantLinear(proj)])
+    assert quantized_bytes(untied, read=True) == proj.step_bytes  # a step looks up one row of the table
+    assert quantized_bytes(untied) == table.nbytes + proj.nbytes
+    tied = nn.ModuleList([QuantEmbedding(table), QuantLinear(table), QuantLinear(proj)])
+    assert quantized_bytes(tied, read=True) == table.step_bytes + proj.step_bytes  # the head reads it all

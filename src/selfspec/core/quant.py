@@ -896,9 +896,12 @@ def quant_modules(module: nn.Module) -> list[nn.Module]:
 
 def quantized_bytes(module: nn.Module, *, read: bool = False) -> int:
     """Bytes of the distinct quantised weights under ``module`` (a tied table counted once): held in memory
-    (interleaved copies for int8 products included), or with ``read``, what one pass over each reads."""
+    (interleaved copies for int8 products included), or with ``read``, what a decoding pass reads: every
+    product's weight, not an embedding table of its own (a step looks up one row of it)."""
     seen: dict[int, int] = {}
     for m in quant_modules(module):
+        if read and isinstance(m, QuantEmbedding):
+            continue
         seen[id(m.qweight)] = m.qweight.step_bytes if read else m.qweight.nbytes
     return sum(seen.values())
 
