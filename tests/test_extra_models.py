@@ -177,3 +177,29 @@ def test_qwen_asd_drafts_skipping_nothing(qwen):
     assert out.token_ids == base.token_ids
     assert len(out.stats.skip_set["attention"]) + len(out.stats.skip_set["mlp"]) <= 4
     assert out.stats.drafted > 0 and out.stats.accepted >= 0.8 * out.stats.drafted
+
+
+@needs_qwen
+@pytest.mark.slow
+def test_qwen_untied_embedding_stays_in_the_file(qwen):
+    """The file has an output tensor of its own (Q8_0), so the Q5_0 embedding is a table left in the file (a
+    memory map, no 153 MB repack held): its rows are bit for bit the repack's, and greedy decoding gives the
+    tokens it gives with the repacked table."""
+    import torch
+
+    from selfspec.core.quant import MappedTable, quantized_bytes
+
+    emb = qwen.hf.get_input_embeddings()
+    table = emb.qweight
+    assert isinstance(table, MappedTable) and table.source == "Q5_0" and table.nbytes == 0
+    assert quantized_bytes(emb) == 0
+    full = table.repacked()
+    ids = torch.randint(0, table.out_features, (2, 2048), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(emb(ids), full.rows(ids).reshape(2, 2048, -1))
+    mapped = [selfspec.generate(qwen, p, "vanilla", max_new_tokens=16).token_ids for p in PROMPTS]
+    try:
+        emb.qweight = full
+        repacked = [selfspec.generate(qwen, p, "vanilla", max_new_tokens=16).token_ids for p in PROMPTS]
+    finally:
+        emb.qweight = table
+    assert mapped == repacked and all(len(t) > 8 for t in mapped)

@@ -402,3 +402,52 @@ def test_a_pass_reads_every_product_but_not_an_embedding_table_of_its_own():
     assert quantized_bytes(untied) == table.nbytes + proj.nbytes
     tied = nn.ModuleList([QuantEmbedding(table), QuantLinear(table), QuantLinear(proj)])
     assert quantized_bytes(tied, read=True) == table.step_bytes + proj.step_bytes  # the head reads it all
+
+
+def _mapped(tmp_path, kind: str, rows: int, cols: int, perm=None):
+    """(MappedTable over a file holding random ``kind`` blocks, the in-memory repack of the same blocks)."""
+    from selfspec.core.quant import MappedTable
+
+    data = random_blocks(kind, rows, cols, seed=rows)
+    path = tmp_path / f"{kind}.bin"
+    path.write_bytes(b"\0" * 96 + data.tobytes())  # the tensor at an offset, as in a GGUF file
+    blocks = np.memmap(path, dtype=np.uint8, mode="r", offset=96, shape=data.shape)
+    full = from_gguf(kind, data, rows, cols)
+    return MappedTable(kind, blocks, rows, cols, perm), (full if perm is None else full.permute_rows(perm))
+
+
+@pytest.mark.parametrize("kind", REPACKED_TYPES)
+def test_a_table_left_in_the_file_looks_up_the_repacks_rows_bit_for_bit(kind, tmp_path):
+    from selfspec.core.quant import QuantEmbedding, quantized_bytes
+
+    table, full = _mapped(tmp_path, kind, 40, 512)
+    ids = torch.tensor([[3, 0, 39, 3], [7, 7, 21, 1]])  # repeats, both ends of the table
+    assert (table.fmt, table.group, table.step_bytes) == (full.fmt, full.group, full.step_bytes)
+    for scale in (None, 2.5):
+        assert torch.equal(QuantEmbedding(table, scale)(ids), QuantEmbedding(full, scale)(ids))
+    assert torch.equal(table.dequantize(), full.dequantize())
+    assert torch.equal(table.repacked().codes, full.codes)
+    assert table.rows(torch.tensor([], dtype=torch.int64)).shape == (0, 512)
+    for bad in (40, -1):
+        with pytest.raises(IndexError):
+            table.rows(torch.tensor([bad]))
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    assert table.file_bytes == 40 * 512 // block * size and quantized_bytes(QuantEmbedding(table)) == 0  # in the file
+
+
+def test_a_table_left_in_the_file_keeps_the_architectures_row_order(tmp_path):
+    perm = np.random.default_rng(0).permutation(48)
+    table, full = _mapped(tmp_path, "Q4_K", 48, 256, perm)
+    ids = torch.arange(48)
+    assert torch.equal(table.rows(ids), full.rows(ids))
+    assert torch.equal(table.repacked().scale, full.scale)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_tied_embedding_is_repacked_and_shared_with_the_head(name, request):
+    """Their files have no output tensor: the head multiplies the embedding's table, so it stays repacked."""
+    from selfspec.core.quant import QuantWeight
+
+    model = request.getfixturevalue(name)
+    table = model.hf.get_input_embeddings().qweight
+    assert isinstance(table, QuantWeight) and model.hf.get_output_embeddings().qweight is table

@@ -10,6 +10,9 @@ key rows, Gemma's norm offset) but never dequantises a tensor it can keep:
   (row permutations applied to the quantised rows, found by running the processor on
   row numbers), the token embedding a :class:`~selfspec.core.quant.QuantEmbedding`, and a
   tied LM head shares the embedding's quantised table;
+* an untied embedding table (the file has an output tensor of its own) stays in the file as a
+  :class:`~selfspec.core.quant.MappedTable` (a read-only memory map whose rows are decoded as they are
+  looked up): a step reads one row, so it costs only the pages touched, not a repack held whole;
 * norms, biases and tensors of types without a repack are dequantised (the latter with a
   warning naming the type);
 * tensors are read one at a time from the file (no mapping of the whole file stays
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.quant import QuantEmbedding, QuantLinear, QuantWeight, from_gguf
+from ..core.quant import MappedTable, QuantEmbedding, QuantLinear, QuantWeight, from_gguf, repackable
 from ..errors import SelfspecError, UnsupportedModelError
 from ..io import atomic_dir
 from .adapters import SUPPORTED_MODEL_TYPES
@@ -193,8 +196,10 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config.to_dict())
     name_map = _name_map(hf, gguf_arch, path)
+    head_weight = f"{_path_of(hf, hf.get_output_embeddings())}.weight"
+    untied = any(name_map.get(t[0]) == head_weight for t in tensors)  # the file has an output tensor of its own
     summary: dict[str, Any] = {"kept": {}, "dequantized": {}}
-    quantised: dict[str, QuantWeight] = {}
+    quantised: dict[str, QuantWeight | MappedTable] = {}
     with path.open("rb") as f:
         for name, kind, shape, offset, nbytes in tensors:
             hf_name = name_map.get(name)
@@ -203,14 +208,10 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
             module_path, attr = hf_name.rsplit(".", 1)
             module = hf.get_submodule(module_path)
             qw = None
-            if attr == "weight" and len(shape) == 2 and _quantisable(module):
-                qw = from_gguf(kind, (f, offset), shape[1], shape[0])
-                if qw is not None:
-                    perm = _row_permutation(processor, name, shape[1], name_map)
-                    if perm is None:
-                        qw = None
-                    elif not np.array_equal(perm, np.arange(shape[1])):
-                        qw = qw.permute_rows(perm)
+            if attr == "weight" and len(shape) == 2 and _quantisable(module) and repackable(kind, shape[0]):
+                perm = _row_permutation(processor, name, shape[1], name_map)
+                mapped = untied and isinstance(module, nn.Embedding)  # looked up a row at a time, never multiplied
+                qw = None if perm is None else _kept(f, kind, shape, offset, nbytes, perm, mapped=mapped)
             if qw is not None:
                 quantised[module_path] = qw
                 summary["kept"][kind] = summary["kept"].get(kind, 0) + 1
@@ -256,6 +257,19 @@ def _name_map(hf: nn.Module, gguf_arch: str, path: Path) -> dict[str, str]:
     return out
 
 
+def _kept(f, kind: str, shape: tuple[int, ...], offset: int, nbytes: int, perm: np.ndarray, *,
+          mapped: bool) -> QuantWeight | MappedTable:  # fmt: skip
+    """A weight kept quantised, its rows reordered by ``perm``: repacked into memory, or with ``mapped`` left in
+    the open file ``f`` as a :class:`MappedTable`."""
+    identity = np.array_equal(perm, np.arange(shape[1]))
+    if mapped:
+        blocks = np.memmap(f, dtype=np.uint8, mode="r", offset=offset, shape=(shape[1], nbytes // shape[1]))
+        return MappedTable(kind, blocks, shape[1], shape[0], None if identity else perm)
+    qw = from_gguf(kind, (f, offset), shape[1], shape[0])
+    assert qw is not None
+    return qw if identity else qw.permute_rows(perm)
+
+
 def _quantisable(module: nn.Module) -> bool:
     return type(module) is nn.Linear or isinstance(module, nn.Embedding)
 
@@ -274,7 +288,7 @@ def _row_permutation(processor, name: str, rows: int, name_map: dict) -> np.ndar
     return perm.astype(np.int64)
 
 
-def _install(hf: nn.Module, quantised: dict[str, QuantWeight]) -> None:
+def _install(hf: nn.Module, quantised: dict[str, QuantWeight | MappedTable]) -> None:
     """Put the quantised modules in place; a tied LM head shares the embedding's table."""
     embed_path = _path_of(hf, hf.get_input_embeddings())
     head_path = _path_of(hf, hf.get_output_embeddings())
@@ -288,8 +302,9 @@ def _install(hf: nn.Module, quantised: dict[str, QuantWeight]) -> None:
         _set_submodule(hf, module_path, new)
     if head_path not in quantised and embed_path in quantised:
         head = hf.get_submodule(head_path)
+        table = quantised[embed_path]
         if head.weight.device.type == "meta":  # tied: no separate output tensor in the file
-            _set_submodule(hf, head_path, QuantLinear(quantised[embed_path]))
+            _set_submodule(hf, head_path, QuantLinear(table if isinstance(table, QuantWeight) else table.repacked()))
 
 
 def _materialise_buffers(hf: nn.Module) -> None:

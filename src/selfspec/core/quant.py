@@ -718,11 +718,16 @@ REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"
 CHUNK_BYTES = 8 << 20  # raw GGUF bytes repacked at a time (keeps the load's transient memory small)
 
 
+def repackable(kind: str, in_features: int) -> bool:
+    """Whether a GGUF tensor of type ``kind`` with rows of ``in_features`` weights has a repack here."""
+    return kind in REPACKED_TYPES and in_features % 32 == 0
+
+
 def from_gguf(kind: str, data, out_features: int, in_features: int) -> QuantWeight | None:
     """The repack of a GGUF tensor of type ``kind``, or None when ``kind`` has no repack (the caller dequantises
     it).  ``data``: the raw blocks as an array ``[out, row bytes]``, or ``(file, offset)`` to read them from
     an open file a few megabytes at a time."""
-    if kind not in REPACKED_TYPES or in_features % 32:
+    if not repackable(kind, in_features):
         return None
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -747,6 +752,58 @@ def from_gguf(kind: str, data, out_features: int, in_features: int) -> QuantWeig
             minv[r0 : r0 + rows] = mn.reshape(rows, -1)
     return QuantWeight(fmt, out_features, in_features, group, torch.from_numpy(codes), torch.from_numpy(scale),
                        None if minv is None else torch.from_numpy(minv), kind)  # fmt: skip
+
+
+class MappedTable:
+    """A GGUF tensor left in its file: its raw blocks ``uint8 [out, row bytes]`` (a read-only memory map of the
+    file), rows decoded on demand by repacking just those rows' blocks and decoding them with the kernels of
+    :meth:`QuantWeight.rows`, so each row is bit for bit the row of the whole tensor's repack.  For an untied
+    token embedding: a step looks up one row, so the table costs only the file pages touched (reclaimable page
+    cache, not anonymous memory), where its repack (Qwen2.5 0.5B: 153 MB) would be held whole.  It offers the
+    attributes of a :class:`QuantWeight` that code reading an embedding's ``qweight`` uses; :meth:`repacked`
+    makes the whole repack for whatever needs the table at once."""
+
+    def __init__(self, kind: str, blocks: np.ndarray, out_features: int, in_features: int,
+                 perm: np.ndarray | None = None) -> None:  # fmt: skip
+        if not repackable(kind, in_features):
+            raise SelfspecError(f"no repack for a {kind} tensor with rows of {in_features} weights")
+        if blocks.shape[0] != out_features:
+            raise SelfspecError(f"a table of {out_features} rows given {blocks.shape[0]} rows of blocks")
+        self.source, self.out_features, self.in_features = kind, out_features, in_features
+        self._blocks = blocks
+        self._perm = None if perm is None else np.ascontiguousarray(perm, dtype=np.int64)  # row i is blocks[perm[i]]
+        probe = from_gguf(kind, np.asarray(blocks[:1]), 1, in_features)
+        assert probe is not None
+        self.fmt, self.group, self.symmetric, self.has_minima = probe.fmt, probe.group, False, probe.has_minima
+        self.step_bytes = probe.step_bytes * out_features  # what a product would read of the repack (none is made)
+
+    nbytes = 0  # bytes held in memory: the blocks stay in the file
+    rows_released = False
+
+    @property
+    def file_bytes(self) -> int:
+        return int(self._blocks.nbytes)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The rows ``idx`` decoded to fp32 ``[len(idx), in]`` (the repack of only those rows' blocks)."""
+        idx = idx.reshape(-1).to(torch.int64)
+        if len(idx) == 0:
+            return torch.empty(0, self.in_features, dtype=torch.float32)
+        if int(idx.min()) < 0 or int(idx.max()) >= self.out_features:
+            raise IndexError(f"row index out of range for a weight of {self.out_features} rows")
+        picked = idx.numpy() if self._perm is None else self._perm[idx.numpy()]
+        part = from_gguf(self.source, self._blocks[picked], len(picked), self.in_features)  # a copy of R rows
+        assert part is not None
+        return part.rows(torch.arange(len(picked)))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+    def repacked(self) -> QuantWeight:
+        """The whole tensor as a :class:`QuantWeight` in memory (what the loader makes of a tied table)."""
+        qw = from_gguf(self.source, self._blocks, self.out_features, self.in_features)
+        assert qw is not None
+        return qw if self._perm is None else qw.permute_rows(self._perm)
 
 
 def _chunk_reader(data, row_bytes: int, rows: int):
@@ -860,9 +917,11 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Token embeddings looked up row by row from a quantised table, times ``scale`` where the model's
-    embedding scales (Gemma's sqrt(hidden))."""
+    embedding scales (Gemma's sqrt(hidden)).  The table is a :class:`QuantWeight` (a tied LM head's, or a repack
+    of its own) or a :class:`MappedTable` (an untied GGUF table left in its file)."""
 
-    def __init__(self, weight: QuantWeight, scale: float | None = None, padding_idx: int | None = None) -> None:
+    def __init__(self, weight: QuantWeight | MappedTable, scale: float | None = None,
+                 padding_idx: int | None = None) -> None:  # fmt: skip
         super().__init__()
         self.qweight = weight
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
@@ -875,7 +934,8 @@ class QuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         w = self.qweight
-        return f"{w.out_features}, {w.in_features}, {w.source} as {w.fmt}/{w.group}, scale={self.scale}"
+        where = ", in the file" if isinstance(w, MappedTable) else ""
+        return f"{w.out_features}, {w.in_features}, {w.source} as {w.fmt}/{w.group}{where}, scale={self.scale}"
 
 
 def quantize_linears(model: nn.Module, bits: int) -> int:
@@ -896,8 +956,8 @@ def quant_modules(module: nn.Module) -> list[nn.Module]:
 
 def quantized_bytes(module: nn.Module, *, read: bool = False) -> int:
     """Bytes of the distinct quantised weights under ``module`` (a tied table counted once): held in memory
-    (interleaved copies for int8 products included), or with ``read``, what a decoding pass reads: every
-    product's weight, not an embedding table of its own (a step looks up one row of it)."""
+    (interleaved copies for int8 products included; none for a table left in its file), or with ``read``, what
+    a decoding pass reads: every product's weight, not an embedding table of its own (a step looks up one row)."""
     seen: dict[int, int] = {}
     for m in quant_modules(module):
         if read and isinstance(m, QuantEmbedding):
