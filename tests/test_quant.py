@@ -451,3 +451,26 @@ def test_a_tied_embedding_is_repacked_and_shared_with_the_head(name, request):
     model = request.getfixturevalue(name)
     table = model.hf.get_input_embeddings().qweight
     assert isinstance(table, QuantWeight) and model.hf.get_output_embeddings().qweight is table
+
+
+@pytest.mark.parametrize("kind", REPACKED_TYPES)
+def test_a_head_made_packed_is_the_released_repack(kind, monkeypatch):
+    """``from_gguf(packed=True)`` (an untied head under int8 activations) holds what repacking, packing and
+    releasing the row form holds, a few blocks of 16 rows at a time; q8 forms with minima keep their rows."""
+    from selfspec.core import quant
+
+    data = random_blocks(kind, 48, 256, seed=5)
+    ref = from_gguf(kind, data, 48, 256)
+    expected = [t.clone() for t in (ref.codes, ref.scale) + ((ref.minv,) if ref.minv is not None else ())]
+    released = ref.release_rows()
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 1)  # 16 rows a time: three pieces
+    packed = from_gguf(kind, data, 48, 256, packed=True)
+    assert packed.rows_released == released
+    if released:
+        for mine, theirs in zip(packed.x16(), ref.x16(), strict=True):
+            assert (mine is None and theirs is None) or torch.equal(mine, theirs)
+        assert packed.nbytes == ref.nbytes
+    ids = torch.tensor([0, 17, 47, 17])
+    assert torch.equal(packed.rows(ids), ref.rows(ids))  # (token lookups read the copy)
+    restored = [packed.codes, packed.scale] + ([packed.minv] if packed.minv is not None else [])
+    assert all(torch.equal(a, b) for a, b in zip(restored, expected, strict=True))

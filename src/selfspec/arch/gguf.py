@@ -13,6 +13,8 @@ key rows, Gemma's norm offset) but never dequantises a tensor it can keep:
 * an untied embedding table (the file has an output tensor of its own) stays in the file as a
   :class:`~selfspec.core.quant.MappedTable` (a read-only memory map whose rows are decoded as they are
   looked up): a step reads one row, so it costs only the pages touched, not a repack held whole;
+* an untied LM head, under int8 activations, is made as its interleaved copy alone (the form the
+  engine keeps of it), so its row form and that copy are never held together;
 * norms, biases and tensors of types without a repack are dequantised (the latter with a
   warning naming the type);
 * tensors are read one at a time from the file (no mapping of the whole file stays
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.quant import MappedTable, QuantEmbedding, QuantLinear, QuantWeight, from_gguf, repackable
+from ..core.quant import MappedTable, QuantEmbedding, QuantLinear, QuantWeight, from_gguf, int8_activations, repackable
 from ..errors import SelfspecError, UnsupportedModelError
 from ..io import atomic_dir
 from .adapters import SUPPORTED_MODEL_TYPES
@@ -196,8 +198,9 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config.to_dict())
     name_map = _name_map(hf, gguf_arch, path)
-    head_weight = f"{_path_of(hf, hf.get_output_embeddings())}.weight"
-    untied = any(name_map.get(t[0]) == head_weight for t in tensors)  # the file has an output tensor of its own
+    head_path = _path_of(hf, hf.get_output_embeddings())
+    untied = any(name_map.get(t[0]) == f"{head_path}.weight" for t in tensors)  # an output tensor of its own
+    pack_head = untied and int8_activations()  # the engine would pack the head and drop its row form: do it now
     summary: dict[str, Any] = {"kept": {}, "dequantized": {}}
     quantised: dict[str, QuantWeight | MappedTable] = {}
     with path.open("rb") as f:
@@ -211,7 +214,8 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
             if attr == "weight" and len(shape) == 2 and _quantisable(module) and repackable(kind, shape[0]):
                 perm = _row_permutation(processor, name, shape[1], name_map)
                 mapped = untied and isinstance(module, nn.Embedding)  # looked up a row at a time, never multiplied
-                qw = None if perm is None else _kept(f, kind, shape, offset, nbytes, perm, mapped=mapped)
+                packed = pack_head and module_path == head_path and getattr(module, "bias", None) is None
+                qw = None if perm is None else _kept(f, kind, shape, offset, nbytes, perm, mapped=mapped, packed=packed)
             if qw is not None:
                 quantised[module_path] = qw
                 summary["kept"][kind] = summary["kept"].get(kind, 0) + 1
@@ -258,14 +262,15 @@ def _name_map(hf: nn.Module, gguf_arch: str, path: Path) -> dict[str, str]:
 
 
 def _kept(f, kind: str, shape: tuple[int, ...], offset: int, nbytes: int, perm: np.ndarray, *,
-          mapped: bool) -> QuantWeight | MappedTable:  # fmt: skip
-    """A weight kept quantised, its rows reordered by ``perm``: repacked into memory, or with ``mapped`` left in
-    the open file ``f`` as a :class:`MappedTable`."""
+          mapped: bool, packed: bool) -> QuantWeight | MappedTable:  # fmt: skip
+    """A weight kept quantised, its rows reordered by ``perm``: repacked into memory (with ``packed``, as its
+    interleaved copy for int8 products alone where it can be), or with ``mapped`` left in the open file ``f`` as
+    a :class:`MappedTable`."""
     identity = np.array_equal(perm, np.arange(shape[1]))
     if mapped:
         blocks = np.memmap(f, dtype=np.uint8, mode="r", offset=offset, shape=(shape[1], nbytes // shape[1]))
         return MappedTable(kind, blocks, shape[1], shape[0], None if identity else perm)
-    qw = from_gguf(kind, (f, offset), shape[1], shape[0])
+    qw = from_gguf(kind, (f, offset), shape[1], shape[0], packed=packed and identity)
     assert qw is not None
     return qw if identity else qw.permute_rows(perm)
 

@@ -405,9 +405,18 @@ class QuantWeight:
     def __post_init__(self) -> None:
         if self.in_features % 32:
             raise SelfspecError(f"quantised rows must hold a multiple of 32 weights, not {self.in_features}")
-        if self.fmt == "q4" and self._minv is None:
+        if self.fmt == "q4" and self._minv is None and self._scale is not None:
             self._minv = torch.zeros_like(self._scale)
         self._released = False
+
+    @classmethod
+    def from_x16(cls, fmt: str, out_features: int, in_features: int, group: int,
+                 packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], source: str) -> QuantWeight:
+        """A weight held as its interleaved copy alone, as after :meth:`release_rows` (see :func:`from_gguf`)."""
+        w = cls(fmt, out_features, in_features, group, None, None, None, source)
+        w.__dict__["_x16"] = packed
+        w._released = True
+        return w
 
     @property
     def codes(self) -> torch.Tensor:
@@ -723,10 +732,13 @@ def repackable(kind: str, in_features: int) -> bool:
     return kind in REPACKED_TYPES and in_features % 32 == 0
 
 
-def from_gguf(kind: str, data, out_features: int, in_features: int) -> QuantWeight | None:
+def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: bool = False) -> QuantWeight | None:
     """The repack of a GGUF tensor of type ``kind``, or None when ``kind`` has no repack (the caller dequantises
     it).  ``data``: the raw blocks as an array ``[out, row bytes]``, or ``(file, offset)`` to read them from
-    an open file a few megabytes at a time."""
+    an open file a few megabytes at a time.  With ``packed``, where :meth:`QuantWeight.release_rows` could drop
+    the row form, the weight is made as its interleaved copy alone, a few megabytes of rows at a time: an LM
+    head multiplied with int8 activations, whose row form and copy would otherwise both be held for a moment
+    (Qwen2.5 0.5B: 153 MB each)."""
     if not repackable(kind, in_features):
         return None
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -739,6 +751,11 @@ def from_gguf(kind: str, data, out_features: int, in_features: int) -> QuantWeig
     fmt = ""
     group = 0
     step = max(1, CHUNK_BYTES // row_bytes)
+    if packed and n % 16 == 0:
+        qw = _packed_from_gguf(kind, lambda r0, rows: read(r0, rows).reshape(-1, size), n, in_features,
+                               max(16, step // 16 * 16))  # fmt: skip
+        if qw is not None:
+            return qw
     for r0 in range(0, n, step):
         rows = min(step, n - r0)
         fmt, group, c, sc, mn = _repack(kind, read(r0, rows).reshape(-1, size))
@@ -752,6 +769,32 @@ def from_gguf(kind: str, data, out_features: int, in_features: int) -> QuantWeig
             minv[r0 : r0 + rows] = mn.reshape(rows, -1)
     return QuantWeight(fmt, out_features, in_features, group, torch.from_numpy(codes), torch.from_numpy(scale),
                        None if minv is None else torch.from_numpy(minv), kind)  # fmt: skip
+
+
+def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight | None:
+    """The weight made as its interleaved copy alone, ``step`` rows (a multiple of 16) at a time: each block of 16
+    rows packs on its own, so the pieces are the whole weight's copy; None for a q8 form with minima (its copy
+    does not hold it exactly)."""
+    whole: list[torch.Tensor | None] = []
+    fmt, group = "", 0
+    for r0 in range(0, n, step):
+        rows = min(step, n - r0)
+        fmt, group, c, sc, mn = _repack(kind, read(r0, rows))
+        if fmt == "q8" and mn is not None:
+            return None
+        c, sc, mn = (None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
+                     for a in (c, sc, mn))  # fmt: skip
+        part = pack_x16(QuantWeight(fmt, rows, k, group, c, sc, mn, kind))
+        per = [None if p is None else p.numel() // (rows // 16) for p in part]  # elements per block of 16 rows
+        if not whole:  # the outputs, allocated once
+            whole = [None if p is None else p.new_empty(m * (n // 16)) for p, m in zip(part, per, strict=True)]
+        for out, p, m in zip(whole, part, per, strict=True):
+            if out is not None:
+                out[r0 // 16 * m : (r0 + rows) // 16 * m] = p.reshape(-1)
+    codes, scale, minv = whole
+    blocks = (n // 16, k // group, 16)
+    return QuantWeight.from_x16(fmt, n, k, group, (codes, scale.reshape(blocks), None if minv is None else
+                                                   minv.reshape(blocks)), kind)  # fmt: skip
 
 
 class MappedTable:
