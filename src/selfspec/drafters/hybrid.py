@@ -89,7 +89,7 @@ class HybridDrafter:
     def bind(self, model, skip) -> None:
         self.lookup.bind(model, skip)
         self.layerskip.bind(model, skip)
-        if self.layerskip.economy is None:  # (a source that never prices: none of ours, since priced is set)
+        if self.layerskip.economy is None:  # (a source without an economy: ours all keep one, since priced is set)
             from ..cost.costs import cost_profile
 
             self._step_ms = cost_profile(model).forward(1)
