@@ -365,8 +365,7 @@ def default_self_draft(model: Any, opts: dict[str, Any]) -> str:
     quantised models with 5-8-bit tensors, such as Qwen2.5's Q4_K_M), unless options of ASD's are given; else ASD's
     automatic choice.  On Qwen2.5-Coder 0.5B ASD's choice in q4 tried skip sets that saved little (an attention
     sublayer of a GQA model is a small share of a step) and cost acceptance (docs/methods.md, lowbit)."""
-    asd_only = set(METHODS["asd"].options) - set(METHODS["lowbit"].options) - {"layerskip", "max_ngram",
-                                                                                   "min_ngram", "ngram"}  # fmt: skip
+    asd_only = set(METHODS["asd"].options) - set(METHODS["lowbit"].options) - set(AUTO_OWN_OPTIONS)  # as _auto_source
     if "draft_dtype" in opts or asd_only & set(opts) or not getattr(model.engine, "low_bit_drafts", False):
         return "asd"
     from .cost.economy import best_precision
