@@ -81,28 +81,49 @@ def test_non_finite_activations_give_non_finite_outputs(bad):
     assert not torch.isfinite(y[1]).any()
 
 
-def test_x16_packing_keeps_every_code_scale_and_minimum():
-    """The interleaved copy holds the same weight: decode it by its layout (int8_kernels.c's header)."""
-    for kind in ("Q4_1", "Q6_K", "Q8_0"):
-        qw = from_gguf(kind, random_blocks(kind, 32, 256), 32, 256)
-        codes, scale, minv = pack_x16(qw)
-        assert (minv is None) == (qw.fmt == "q8" and qw.minv is None)  # Q8_0: the kernel computes -128 * scale
-        g = qw.group
-        groups = 256 // g
-        raw = codes.numpy().reshape(2, groups, g // 4 if qw.fmt == "q8" else 4, 16, 4)
-        w = torch.empty(32, 256, dtype=torch.float64)
-        for n in range(32):
-            nb, r = divmod(n, 16)
-            for k in range(256):
-                gi, e = divmod(k, g)
-                if qw.fmt == "q4":
-                    byte = int(raw[nb, gi, (e % 16) // 4, r, e % 4])
-                    code = byte & 15 if e < 16 else byte >> 4
-                else:
-                    code = int(raw[nb, gi, e // 4, r, e % 4])
-                m = -128 * float(scale[nb, gi, r]) if minv is None else float(minv[nb, gi, r])
-                w[n, k] = float(scale[nb, gi, r]) * code + m
-        assert torch.allclose(w, qw.dequantize().double(), atol=1e-6), kind
+def _x16_code(raw, bits: int, g: int, nb: int, gi: int, r: int, e: int) -> int:
+    """Code e of group gi, row r of block nb, read from the interleaved bytes by int8_kernels.c's header."""
+    if bits == 8:
+        return int(raw[nb, gi, (e // 4) * 64 + 4 * r + e % 4])
+    half = 16 if bits in (4, 5) else 8  # codes e and e + half share a byte
+    byte = int(raw[nb, gi, ((e % half) // 4) * 64 + 4 * r + e % 4])
+    code = byte & 15 if e < half else byte >> 4
+    if bits == 4:
+        return code
+    high = int(raw[nb, gi, (256 if bits == 5 else 128) + 4 * r + e % 4])
+    per = bits - 4
+    return code | ((high >> (per * (e // 4))) & ((1 << per) - 1)) << 4
+
+
+@pytest.mark.parametrize("kind, bits", [("Q4_1", 4), ("Q6_K", 6), ("Q8_0", 8), ("Q5_0", 5), ("Q5_K", 5)])
+def test_x16_packing_keeps_every_code_scale_and_minimum(kind, bits):
+    """The interleaved copy holds the same weight: decode it by its layout (int8_kernels.c's header); 5- and 6-bit
+    types take their compact forms (a nibble plus one or two high bits per code)."""
+    qw = from_gguf(kind, random_blocks(kind, 32, 256), 32, 256)
+    codes, scale, minv = pack_x16(qw)
+    assert qw.x16_bits == bits
+    # the kernel computes a symmetric type's minimum: -8, -16, -32 or -128 * scale
+    assert (minv is None) == (kind in ("Q5_0", "Q6_K", "Q8_0"))
+    g = qw.group
+    groups = 256 // g
+    raw = codes.numpy().reshape(2, groups, -1)
+    assert raw.shape[2] == 16 * g * bits // 8  # bytes per group of 16 rows
+    w = torch.empty(32, 256, dtype=torch.float64)
+    for n in range(32):
+        nb, r = divmod(n, 16)
+        for k in range(256):
+            gi, e = divmod(k, g)
+            code = _x16_code(raw, bits, g, nb, gi, r, e)
+            m = -(1 << (bits - 1)) * float(scale[nb, gi, r]) if minv is None else float(minv[nb, gi, r])
+            w[n, k] = float(scale[nb, gi, r]) * code + m
+    assert torch.allclose(w, qw.dequantize().double(), atol=1e-6), kind
+
+
+def test_compact_codes_can_be_turned_off(monkeypatch):
+    """SELFSPEC_COMPACT_CODES=0 (A/B runs): 5- and 6-bit codes take a byte each in the interleaved copy too."""
+    monkeypatch.setattr(quant, "_COMPACT", False)
+    qw = from_gguf("Q5_0", random_blocks("Q5_0", 32, 256), 32, 256)
+    assert qw.x16_bits == 8 and qw.x16()[0].numel() == 32 * 256
 
 
 def test_an_unknown_activation_mode_is_a_clear_error():
@@ -132,7 +153,8 @@ def test_every_int8_path_computes_the_same_numbers(tmp_path, isa, kind_code):
     lib = ctypes.CDLL(str(lib_path))
     assert lib.selfspec_int8_kernels() == kind_code
     with activations("int8"):
-        for kind in ("Q4_K", "Q8_0", "Q6_K", "Q5_K", "Q8_0->q4"):  # the last: a symmetric 4-bit draft copy
+        # Q5_0, Q5_K, Q6_K: compact 5- and 6-bit codes; the last: a symmetric 4-bit draft copy
+        for kind in ("Q4_K", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q8_0->q4"):
             for T in (1, 5, 9):
                 source = kind.split("->")[0]
                 qw = from_gguf(source, random_blocks(source, 48, 512, seed=4), 48, 512)
@@ -141,7 +163,7 @@ def test_every_int8_path_computes_the_same_numbers(tmp_path, isa, kind_code):
                 y = torch.empty(T, 48)
                 codes, scale, minv = qw.x16()
                 p = ctypes.c_void_p
-                status = lib.selfspec_linear_x16(ctypes.c_int(4 if qw.fmt == "q4" else 8), ctypes.c_long(T),
+                status = lib.selfspec_linear_x16(ctypes.c_int(qw.x16_bits), ctypes.c_long(T),
                                                  ctypes.c_long(48), ctypes.c_long(512), ctypes.c_long(qw.group),
                                                  p(x.data_ptr()), p(codes.data_ptr()), p(scale.data_ptr()),
                                                  None if minv is None else p(minv.data_ptr()), None,
@@ -171,10 +193,14 @@ def test_the_fused_stack_follows_the_activation_mode(smollm2):
     assert (out["float32"] - out["int8"]).abs().max() <= 0.05 * out["float32"].abs().max()
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q8_0", "Q6_K", "Q5_1"])
-def test_a_released_row_form_is_rebuilt_bit_for_bit(kind):
+@pytest.mark.parametrize("kind, compact", [("Q4_1", True), ("Q4_K", True), ("Q8_0", True), ("Q6_K", True),
+                                           ("Q5_0", True), ("Q5_1", True), ("Q5_K", True), ("Q5_1", False),
+                                           ("Q6_K", False)])  # fmt: skip
+def test_a_released_row_form_is_rebuilt_bit_for_bit(kind, compact, monkeypatch):
     """Under int8 activations a layer's weight may keep its interleaved copy only; reading the row form rebuilds
-    it exactly (q8 weights with minima keep both: their stored minimum - 128 * scale would lose bits)."""
+    it exactly (with 5-bit codes at a byte each, q8 weights with minima keep both: their stored minimum - 128 *
+    scale would lose bits)."""
+    monkeypatch.setattr(quant, "_COMPACT", compact)
     qw = from_gguf(kind, random_blocks(kind, 48, 512, seed=6), 48, 512)
     before = [None if t is None else t.clone() for t in (qw.codes, qw.scale, qw.minv)]
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
@@ -182,7 +208,7 @@ def test_a_released_row_form_is_rebuilt_bit_for_bit(kind):
         y = qw.matmul(x)
         held = qw.nbytes
         released = qw.release_rows()
-        assert released == (kind != "Q5_1")
+        assert released == (compact or kind != "Q5_1")
         if released:
             assert qw.rows_released and qw.nbytes < held and qw.row_pointers() == (None, None, None)
         assert torch.equal(qw.matmul(x), y)  # the products never needed the row form

@@ -93,7 +93,8 @@ class DraftVocabulary:
     def _repack(self, lo: int, hi: int) -> None:
         """Bring the interleaved copy up to date for rows ``lo..hi`` (or make it, for all rows)."""
         if self._x16 is None:
-            self._x16 = pack_x16(self._rows(0, self.capacity))
+            rows = self._rows(0, self.capacity)
+            self._x16, self._x16_bits = pack_x16(rows), rows.x16_bits
             return
         b0, b1 = lo // 16, -(-hi // 16)
         fresh = pack_x16(self._rows(16 * b0, 16 * b1))
@@ -143,7 +144,7 @@ class DraftVocabulary:
             n = -(-self.size // 16) * 16
             y = torch.empty(rows, n, dtype=torch.float32)
             codes, scale, minv = (None if t is None else t.data_ptr() for t in self._x16)
-            if lib.selfspec_linear_x16(4 if head.fmt == "q4" else 8, rows, n, head.in_features, head.group,
+            if lib.selfspec_linear_x16(self._x16_bits, rows, n, head.in_features, head.group,
                                        x.data_ptr(), codes, scale, minv, None, y.data_ptr()):  # fmt: skip
                 raise MemoryError("no memory to quantise the activations of a draft's head")
             return y[:, : self.size]

@@ -43,6 +43,7 @@ typedef struct {
     const float *scale, *minv, *bias; /* minv, bias: NULL when absent */
     const uint8_t *x16_codes;         /* int8_kernels.c's interleaved copy, or NULL (fp32 products only) */
     const float *x16_scale, *x16_min;
+    long x16_bits; /* bits per code in the interleaved copy: 4, 5, 6 (compact forms) or 8 */
 } qmat;
 
 typedef struct {
@@ -72,7 +73,7 @@ typedef struct {
  * takes int8 activations, ps->xq holds x quantised (quantize()) and weights with an x16 copy use it. */
 static void matmul(const qmat *m, long T, const float *x, float *y, const pass_t *ps) {
     if (ps->xq && m->x16_codes) {
-        selfspec_linear_x16_ws((int)m->bits, T, m->N, m->K, m->G, ps->xq, m->x16_codes, m->x16_scale, m->x16_min,
+        selfspec_linear_x16_ws((int)m->x16_bits, T, m->N, m->K, m->G, ps->xq, m->x16_codes, m->x16_scale, m->x16_min,
                                m->bias, y);
         return;
     }

@@ -16,6 +16,13 @@
  * -128 d; a symmetric q8 weight, Q8_0, stores no minimum and m = -128 d is computed: a tenth less to read; a
  * symmetric q4 weight, the 4-bit draft copies of quant.py's low_bit_copy, likewise m = -8 d: a sixth less).
  * A row's product is then  sum_g  d_g * dx_g * sum_k(code * xq)  +  m_g * dx_g * sum_k(xq).
+ * Compact forms of 5- and 6-bit codes (BITS 5 and 6: Q5_0/Q5_1/Q5_K and Q6_K, which the row form holds as a byte
+ * per code): the code u = code - c0 (0..31 or 0..63; c0 = -16 for Q5_0, -32 for Q6_K, 0 with stored minima) is
+ * split into its low nibble, laid out as q4's bytes (BITS 5, G 32: four 64-byte groups, k = 4j + i low and
+ * k = 16 + 4j + i high; BITS 6, G 16: two, k = 4j + i low and k = 8 + 4j + i high), and its high bits, one more
+ * 64-byte group whose byte 4r + i holds bit 4 of code k = 4j + i in its bit j (BITS 5) or bits 4-5 in its bits
+ * 2j, 2j + 1 (BITS 6).  A group of 16 rows then takes 320 bytes for 32 codes (q8: 512) or 192 for 16 (q8: 256),
+ * and m = -16 d or -32 d for the symmetric types (stored minima are the row form's own, exact).
  *
  * Row independence (what keeps speculative decoding token-identical): a row of x is quantised on its own, its
  * integer sums are exact, and its float operations run in the same order whatever the number of rows T in
@@ -148,6 +155,10 @@ static int pass_threads = 0;
 void selfspec_set_pass_threads(int n) { pass_threads = n < 0 ? 0 : n; }
 int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_get_max_threads(); }
 
+/* Bytes of one group of G codes for 16 output rows in each form, and a symmetric form's minimum in units of d */
+#define GROUP_BYTES(BITS, G) ((BITS) == 4 ? 256 : (BITS) == 5 ? 320 : (BITS) == 6 ? 192 : (G) * 16)
+#define SYM_MIN(BITS) ((BITS) == 4 ? -8.0f : (BITS) == 5 ? -16.0f : (BITS) == 6 ? -32.0f : -128.0f)
+
 #ifdef SELFSPEC_VNNI
 
 /* NB (1..8) rows of x against one block of 16 output rows; y [t * ldy + r] for r < 16.  BITS and G are
@@ -165,7 +176,7 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
     __m512 acc[8];
     for (int t = 0; t < NB; t++) acc[t] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
-    const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = prefetch_bytes / group_bytes;
+    const long group_bytes = GROUP_BYTES(BITS, G), ahead = prefetch_bytes / group_bytes;
     for (long g = 0; g < groups; g++) {
         /* the weights prefetch_bytes ahead in this thread's stream (its blocks are consecutive): a share of a
          * product is too short a stream for the hardware prefetcher, which alone read the head at 2/3 the speed */
@@ -182,14 +193,41 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
                 w[j] = _mm512_and_si512(v, low);
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+        } else if (BITS == 5) { /* nibbles | bit j of the high group moved to bit 4 (ternary logic 0xF8: a | b & c) */
+            const uint8_t *c = codes + g * 320;
+            const __m512i hb = _mm512_loadu_si512(c + 256), b4 = _mm512_set1_epi8(0x10);
+            __m512i v = _mm512_loadu_si512(c);
+            w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 4), b4, 0xF8);
+            w[4] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), hb, b4, 0xF8);
+            v = _mm512_loadu_si512(c + 64);
+            w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 3), b4, 0xF8);
+            w[5] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_srli_epi16(hb, 1),
+                                             b4, 0xF8);
+            v = _mm512_loadu_si512(c + 128);
+            w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 2), b4, 0xF8);
+            w[6] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_srli_epi16(hb, 2),
+                                             b4, 0xF8);
+            v = _mm512_loadu_si512(c + 192);
+            w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 1), b4, 0xF8);
+            w[7] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_srli_epi16(hb, 3),
+                                             b4, 0xF8);
+        } else if (BITS == 6) { /* nibbles | bits 2j, 2j + 1 of the high group moved to bits 4-5 */
+            const uint8_t *c = codes + g * 192;
+            const __m512i hb = _mm512_loadu_si512(c + 128), b45 = _mm512_set1_epi8(0x30);
+            __m512i v = _mm512_loadu_si512(c);
+            w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 4), b45, 0xF8);
+            w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), hb, b45, 0xF8);
+            v = _mm512_loadu_si512(c + 64);
+            w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 2), b45, 0xF8);
+            w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_srli_epi16(hb, 2),
+                                             b45, 0xF8);
         } else {
             const uint8_t *c = codes + g * G * 16;
             for (int j = 0; j < G / 4; j++) w[j] = _mm512_loadu_si512(c + 64 * j);
         }
         const __m512 dv = _mm512_loadu_ps(scale + g * 16);
-        /* symmetric (no stored minimum): -128 d (q8) or -8 d (q4), exactly the row form's minimum */
-        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(BITS == 4 ? -8.0f : -128.0f))
-                              : _mm512_loadu_ps(minv + g * 16);
+        /* symmetric (no stored minimum): -2^(BITS-1) d, exactly the row form's minimum */
+        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : _mm512_loadu_ps(minv + g * 16);
         for (int t = 0; t < NB; t++) {
             const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* two chains: integer sums are */
@@ -234,6 +272,43 @@ static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const
     return _mm256_add_epi32(s, _mm256_set1_epi32(128 * xsum)); /* back to the codes + 128 */
 }
 
+/* The same for 5- and 6-bit codes (0..63) in NW words w[NW]: pair products reach 16,002, so two words add in int16 */
+static inline __attribute__((always_inline)) __m256i sums_small(const int NW, const __m256i *w, const int32_t *xg) {
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < NW; j += 2) {
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xg[j])),
+                                           _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(xg[j + 1])));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones16));
+    }
+    return s;
+}
+
+/* One half (c: its first byte) of a compact group's codes as words: the nibbles with the high group's bits of word j
+ * (BITS 5: bit j; BITS 6: bits 2j, 2j + 1) moved into bits 4 (and 5) */
+static inline __attribute__((always_inline)) void decode_compact(const int BITS, const uint8_t *c, __m256i w[8]) {
+    const __m256i low = _mm256_set1_epi8(15);
+    if (BITS == 5) {
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(c + 256)), b4 = _mm256_set1_epi8(0x10);
+        const __m256i h[8] = {_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 3), _mm256_slli_epi16(hb, 2),
+                              _mm256_slli_epi16(hb, 1), hb, _mm256_srli_epi16(hb, 1), _mm256_srli_epi16(hb, 2),
+                              _mm256_srli_epi16(hb, 3)};
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
+            w[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h[j], b4));
+            w[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h[j + 4], b4));
+        }
+    } else {
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(c + 128)), b45 = _mm256_set1_epi8(0x30);
+        const __m256i h[4] = {_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 2), hb, _mm256_srli_epi16(hb, 2)};
+        for (int j = 0; j < 2; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
+            w[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h[j], b45));
+            w[j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h[j + 2], b45));
+        }
+    }
+}
+
 /* The AVX2 form of block_vnni: NB (1..BLOCK_RUN) rows of x against one block of 16 output rows, as two halves of
  * 8 rows (the first 32 bytes of a 64-byte code group hold rows 0-7, the next 32 rows 8-15), one half after the
  * other: its NB sums and a group's decoded nibbles then fit AVX2's 16 registers, and the nibbles are decoded once
@@ -254,7 +329,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                                                              long ldy) {
     const long groups = K / G;
     const __m256i low = _mm256_set1_epi8(15);
-    const long group_bytes = BITS == 4 ? 256 : G * 16, ahead = prefetch_bytes / group_bytes; /* as block_vnni's */
+    const long group_bytes = GROUP_BYTES(BITS, G), ahead = prefetch_bytes / group_bytes; /* as block_vnni's */
     for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
         __m256 acc[8];             /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
         for (int t = 0; t < NB; t++) acc[t] = _mm256_setzero_ps();
@@ -264,7 +339,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                     __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
             const uint8_t *c = codes + g * group_bytes + 32 * h;
             const __m256 dv = _mm256_loadu_ps(scale + g * 16 + 8 * h);
-            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(BITS == 4 ? -8.0f : -128.0f))
+            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(SYM_MIN(BITS)))
                                   : _mm256_loadu_ps(minv + g * 16 + 8 * h);
             __m256i w[8];
             if (BITS == 4)
@@ -273,10 +348,14 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                     w[j] = _mm256_and_si256(v, low);
                     w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
+            else if (BITS == 5 || BITS == 6)
+                decode_compact(BITS, c, w);
             for (int t = 0; t < NB; t++) {
                 const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
                 const int32_t *xst = xs + t * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
-                const __m256i s = BITS == 4 ? sums_q4(w, xg) : sums_q8(G, c, xg, G == 32 ? xst[0] + xst[1] : xst[0]);
+                const __m256i s = BITS == 4                 ? sums_q4(w, xg)
+                                  : BITS == 5 || BITS == 6 ? sums_small(G / 4, w, xg)
+                                                           : sums_q8(G, c, xg, G == 32 ? xst[0] + xst[1] : xst[0]);
                 const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t]);
                 acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t]);
@@ -340,6 +419,12 @@ static void block_portable(int bits, long K, long G, const int8_t *xq, const flo
                     if (bits == 4) {
                         const uint8_t byte = codes[g * 256 + (j & 3) * 64 + 4 * r + i];
                         code = j < 4 ? byte & 15 : byte >> 4;
+                    } else if (bits == 5) {
+                        const uint8_t *c = codes + g * 320, byte = c[(j & 3) * 64 + 4 * r + i];
+                        code = (j < 4 ? byte & 15 : byte >> 4) | ((c[256 + 4 * r + i] >> j) & 1) << 4;
+                    } else if (bits == 6) {
+                        const uint8_t *c = codes + g * 192, byte = c[(j & 1) * 64 + 4 * r + i];
+                        code = (j < 2 ? byte & 15 : byte >> 4) | ((c[128 + 4 * r + i] >> (2 * j)) & 3) << 4;
                     } else {
                         code = codes[g * G * 16 + j * 64 + 4 * r + i];
                     }
@@ -348,7 +433,7 @@ static void block_portable(int bits, long K, long G, const int8_t *xq, const flo
         const float dxg = dx[(g * G) / 32], dsg = G == 32 ? ds32[g] : ds16[g];
         for (int r = 0; r < 16; r++) {
             acc[r] = fmaf((float)s[r], scale[g * 16 + r] * dxg, acc[r]);
-            acc[r] = fmaf(minv ? minv[g * 16 + r] : (bits == 4 ? -8.0f : -128.0f) * scale[g * 16 + r], dsg, acc[r]);
+            acc[r] = fmaf(minv ? minv[g * 16 + r] : SYM_MIN(bits) * scale[g * 16 + r], dsg, acc[r]);
         }
     }
     for (int r = 0; r < 16; r++) y[r] = bias ? acc[r] + bias[r] : acc[r];
@@ -358,7 +443,7 @@ static void block_portable(int bits, long K, long G, const int8_t *xq, const flo
  * quantised; inside a parallel region that every thread enters, no barrier at the end. */
 static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows *x, const uint8_t *codes,
                           const float *scale, const float *minv, const float *bias, float *y) {
-    const long groups = K / G, block_bytes = bits == 4 ? groups * 256 : K * 16;
+    const long groups = K / G, block_bytes = groups * GROUP_BYTES(bits, G);
 #pragma omp for schedule(static) nowait
     for (long nb = 0; nb < N / 16; nb++) {
         const uint8_t *c = codes + nb * block_bytes;
@@ -370,6 +455,12 @@ static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows 
             BLOCK_ROWS(4, 32, 0);
         else if (bits == 4)
             BLOCK_ROWS(4, 32, 1);
+        else if (bits == 5 && m)
+            BLOCK_ROWS(5, 32, 0);
+        else if (bits == 5)
+            BLOCK_ROWS(5, 32, 1);
+        else if (bits == 6)
+            BLOCK_ROWS(6, 16, 1);
         else if (G == 32 && m)
             BLOCK_ROWS(8, 32, 0);
         else if (G == 32)

@@ -383,6 +383,22 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# GGUF types whose codes the interleaved copy holds at their own width (int8_kernels.c's compact forms): type ->
+# (bits, group, whether a minimum is stored).  The row form keeps them as a byte per code.
+COMPACT_TYPES = {"Q5_0": (5, 32, False), "Q5_1": (5, 32, True), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False)}
+COMPACT_ENV = "SELFSPEC_COMPACT_CODES"  # 0: 5- and 6-bit codes take a byte each in the interleaved copy too (A/B)
+_COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
+
+
+def x16_bits(fmt: str, source: str, group: int, minima: bool) -> int:
+    """Bits per code in the interleaved copy of a weight of this form: 4 (q4), 5 or 6 (a q8 weight from a 5- or
+    6-bit GGUF type: ``COMPACT_TYPES``), else 8."""
+    if fmt == "q4":
+        return 4
+    spec = COMPACT_TYPES.get(source) if _COMPACT else None
+    return spec[0] if spec is not None and spec[1:] == (group, minima) else 8
+
+
 # -- the weight ---------------------------------------------------------------------------------------------------
 
 
@@ -411,10 +427,13 @@ class QuantWeight:
 
     @classmethod
     def from_x16(cls, fmt: str, out_features: int, in_features: int, group: int,
-                 packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], source: str) -> QuantWeight:
-        """A weight held as its interleaved copy alone, as after :meth:`release_rows` (see :func:`from_gguf`)."""
+                 packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], source: str,
+                 bits: int) -> QuantWeight:  # fmt: skip
+        """A weight held as its interleaved copy alone (``bits`` per code), as after :meth:`release_rows` (see
+        :func:`from_gguf`)."""
         w = cls(fmt, out_features, in_features, group, None, None, None, source)
         w.__dict__["_x16"] = packed
+        w.__dict__["_x16_bits"] = bits
         w._released = True
         return w
 
@@ -438,10 +457,11 @@ class QuantWeight:
         return self._released
 
     def release_rows(self) -> bool:
-        """Drop the row form when the interleaved copy holds the weight exactly (q4, and q8 without minima, whose
-        stored minimum -128 * scale loses no bits); returns whether it was dropped."""
+        """Drop the row form when the interleaved copy holds the weight exactly (q4, compact 5- and 6-bit codes,
+        and 8-bit codes without minima, whose stored minimum -128 * scale would lose bits); returns whether it
+        was dropped."""
         packed = self.x16()
-        if packed is None or (self.fmt == "q8" and self._minv is not None):
+        if packed is None or (self.x16_bits == 8 and self._minv is not None):
             return False
         self._codes = self._scale = self._minv = None
         self._released = True
@@ -459,11 +479,16 @@ class QuantWeight:
         codes, scale, minv = self.__dict__["_x16"]
         n, k, g = self.out_features, self.in_features, self.group
         groups, j = k // g, (4 if self.fmt == "q4" else g // 4)
-        raw = np.ascontiguousarray(codes.numpy().reshape(n // 16, groups, j, 16, 4).transpose(0, 3, 1, 2, 4))
-        if self.fmt == "q4":
-            self._codes = torch.from_numpy(raw.reshape(n, k // 2))
+        if self.x16_bits in (5, 6):
+            every = np.arange(n)
+            self._codes = torch.from_numpy(_compact_rows(codes.numpy(), self.x16_bits, groups, every // 16,
+                                                         every % 16, self.has_minima).reshape(n, k))  # fmt: skip
         else:
-            self._codes = torch.from_numpy((raw ^ np.uint8(0x80)).view(np.int8).reshape(n, k))
+            raw = np.ascontiguousarray(codes.numpy().reshape(n // 16, groups, j, 16, 4).transpose(0, 3, 1, 2, 4))
+            if self.fmt == "q4":
+                self._codes = torch.from_numpy(raw.reshape(n, k // 2))
+            else:
+                self._codes = torch.from_numpy((raw ^ np.uint8(0x80)).view(np.int8).reshape(n, k))
 
         def unpack(t: torch.Tensor) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(t.numpy().transpose(0, 2, 1)).reshape(n, groups))
@@ -482,10 +507,11 @@ class QuantWeight:
 
     @property
     def step_bytes(self) -> int:
-        """Bytes a product reads: one form of the weight (the row form's size; a symmetric q8 weight's interleaved
-        copy has no minima either)."""
+        """Bytes a product reads: one form of the weight (under int8 activations the interleaved copy, whose 5- and
+        6-bit codes take their own width; else the row form; a symmetric weight's copy has no minima either)."""
         groups = self.out_features * (self.in_features // self.group)
-        codes = self.out_features * self.in_features // (2 if self.fmt == "q4" else 1)
+        bits = self.x16_bits if int8_activations() and self.out_features % 16 == 0 else (4 if self.fmt == "q4" else 8)
+        codes = self.out_features * self.in_features * bits // 8
         return codes + 4 * groups * (2 if self.has_minima else 1)
 
     @property
@@ -493,7 +519,18 @@ class QuantWeight:
         """Whether the weight stores a minimum per group (q4 unless symmetric; q8 when not symmetric)."""
         if self.fmt == "q4":
             return not self.symmetric
-        return self._minv is not None  # (a released q8 weight never had minima)
+        if self._released:  # only a compact copy keeps minima exactly
+            return self.__dict__["_x16"][2] is not None
+        return self._minv is not None
+
+    @property
+    def x16_bits(self) -> int:
+        """Bits per code in the interleaved copy (see :func:`x16_bits`; fixed once the copy is made)."""
+        bits = self.__dict__.get("_x16_bits")
+        if bits is None:
+            minima = self._minv is not None and not (self.fmt == "q4" and self.symmetric)
+            bits = x16_bits(self.fmt, self.source, self.group, minima)
+        return bits
 
     def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The interleaved copy ``int8_kernels.c`` multiplies (codes, scale, minimum), made on first use; None
@@ -502,6 +539,7 @@ class QuantWeight:
             return None
         packed = self.__dict__.get("_x16")
         if packed is None:
+            self.__dict__["_x16_bits"] = self.x16_bits
             packed = self.__dict__["_x16"] = pack_x16(self)
         return packed
 
@@ -523,7 +561,7 @@ class QuantWeight:
             lib, packed = native(), self.x16() if int8 else None
             shape = (self.out_features, self.in_features)
             if packed is not None:  # int8 activations: (bits, T, N, K, G, x, codes, scale, min, bias, y)
-                fn, head = lib.selfspec_linear_x16, (4 if self.fmt == "q4" else 8,)
+                fn, head = lib.selfspec_linear_x16, (self.x16_bits,)
                 shape, weights = (*shape, self.group), (*map(_ptr, packed), None)
             else:
                 fn, head = (lib.selfspec_linear_q4 if self.fmt == "q4" else lib.selfspec_linear_q8), ()
@@ -587,9 +625,13 @@ class QuantWeight:
         groups, n = self.in_features // self.group, idx.numpy()
         j = 4 if self.fmt == "q4" else self.group // 4
         block, r = n // 16, n % 16
-        raw = codes.numpy().reshape(self.out_features // 16, groups, j, 16, 4)[block, :, :, r, :].reshape(len(n), -1)
-        if self.fmt == "q8":
-            raw = (raw ^ np.uint8(0x80)).view(np.int8)
+        if self.x16_bits in (5, 6):
+            raw = _compact_rows(codes.numpy(), self.x16_bits, groups, block, r, minv is not None).reshape(len(n), -1)
+        else:
+            raw = codes.numpy().reshape(self.out_features // 16, groups, j, 16, 4)[block, :, :, r, :]
+            raw = raw.reshape(len(n), -1)
+            if self.fmt == "q8":
+                raw = (raw ^ np.uint8(0x80)).view(np.int8)
         pick = lambda t: torch.from_numpy(np.ascontiguousarray(t.numpy()[block, :, r]))  # noqa: E731
         if minv is None and self.fmt == "q4":  # symmetric: -8 d
             return torch.from_numpy(raw), pick(scale), pick(scale) * np.float32(-8)
@@ -634,22 +676,62 @@ def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     n, k, g = w.out_features, w.in_features, w.group
     groups = k // g
     j = 4 if w.fmt == "q4" else g // 4
+    bits = w.x16_bits
     raw = w.codes.numpy().view(np.uint8).reshape(n // 16, 16, groups, j, 4)
-    codes = np.empty((n // 16, groups, j, 16, 4), dtype=np.uint8)
+    codes = np.empty((n // 16, groups, 320 if bits == 5 else 192) if bits in (5, 6) else (n // 16, groups, j, 16, 4),
+                     dtype=np.uint8)  # fmt: skip
     # a few MB of rows at a time: the copy of a 150k-row head (130 MB) never holds a whole temporary beside it
     step = max(1, (4 << 20) // max(1, 16 * groups * j * 4))
     for b in range(0, n // 16, step):
+        if bits in (5, 6):
+            codes[b : b + step] = _compact_blocks(raw[b : b + step].view(np.int8), bits, w.minv is not None)
+            continue
         block = raw[b : b + step] if w.fmt == "q4" else raw[b : b + step] ^ np.uint8(0x80)
         codes[b : b + step] = block.transpose(0, 2, 3, 1, 4)
     scale = w.scale.numpy().reshape(n // 16, 16, groups)
     packed_scale = torch.from_numpy(np.ascontiguousarray(scale.transpose(0, 2, 1)))
-    if w.minv is None or (w.fmt == "q4" and w.symmetric):  # symmetric: the kernel computes -128 or -8 * scale
+    if w.minv is None or (w.fmt == "q4" and w.symmetric):  # symmetric: the kernel computes -2^(bits-1) * scale
         return torch.from_numpy(codes.reshape(-1)), packed_scale, None
     minv = w.minv.numpy().reshape(n // 16, 16, groups)
-    if w.fmt == "q8":
+    if bits == 8:
         minv = minv - np.float32(128) * scale
     return (torch.from_numpy(codes.reshape(-1)), packed_scale,
             torch.from_numpy(np.ascontiguousarray(minv.transpose(0, 2, 1), dtype=np.float32)))  # fmt: skip
+
+
+def _compact_blocks(code: np.ndarray, bits: int, minima: bool) -> np.ndarray:
+    """Row-form codes (int8 ``[blocks, 16, groups, G]``) of a 5- or 6-bit type -> the compact copy's bytes
+    ``[blocks, groups, 320 | 192]`` (int8_kernels.c's header): the low nibbles as q4 bytes, then the high bits."""
+    u = code.astype(np.int16).reshape(code.shape[0], 16, code.shape[2], -1) + (0 if minima else 1 << (bits - 1))
+    if u.min(initial=0) < 0 or u.max(initial=0) >= 1 << bits:
+        raise SelfspecError(f"codes out of the {bits}-bit range of their type")
+    u = u.astype(np.uint8)
+    half = u.shape[-1] // 2  # G 32: k and k + 16 share a byte; G 16: k and k + 8
+    nib = (u[..., :half] & 15) | ((u[..., half:] & 15) << 4)  # [b, 16, groups, half]: byte 4j + i
+    nib = nib.reshape(*nib.shape[:3], half // 4, 4).transpose(0, 2, 3, 1, 4)  # [b, groups, j, 16, 4]
+    per = bits - 4  # high bits per code
+    high = (u >> 4).reshape(*u.shape[:3], -1, 4)  # [b, 16, groups, word j, i]
+    shifts = (per * np.arange(high.shape[3], dtype=np.uint8)).reshape(1, 1, 1, -1, 1)
+    hb = np.bitwise_or.reduce(high << shifts, axis=3).transpose(0, 2, 1, 3)  # [b, groups, 16, 4]
+    return np.concatenate([nib.reshape(*nib.shape[:2], -1), hb.reshape(*hb.shape[:2], -1)], axis=2)
+
+
+def _compact_rows(packed: np.ndarray, bits: int, groups: int, block: np.ndarray, r: np.ndarray,
+                  minima: bool) -> np.ndarray:  # fmt: skip
+    """Rows (block ``block``, row ``r`` within it) of a compact copy (flat bytes) decoded to row-form int8 codes
+    ``[rows, groups, G]`` (the inverse of :func:`_compact_blocks`)."""
+    size = 320 if bits == 5 else 192
+    nib_bytes = size - 64
+    g = packed.reshape(-1, groups, size)
+    nib = g[:, :, :nib_bytes].reshape(g.shape[0], groups, nib_bytes // 64, 16, 4)[block, :, :, r, :]
+    hb = g[:, :, nib_bytes:].reshape(g.shape[0], groups, 16, 4)[block, :, r, :]  # [rows, groups, 4]
+    nib = nib.reshape(len(block), groups, -1)  # byte 4j + i
+    u = np.concatenate([nib & 15, nib >> 4], axis=2)  # code k = 4j + i at k
+    per, words = bits - 4, u.shape[2] // 4
+    shifts = (per * np.arange(words, dtype=np.uint8)).reshape(1, 1, -1, 1)
+    high = (hb[:, :, None, :] >> shifts) & ((1 << per) - 1)  # [rows, groups, word j, i]
+    u = u | (high.reshape(len(block), groups, -1) << 4)
+    return (u.astype(np.int16) - (0 if minima else 1 << (bits - 1))).astype(np.int8)
 
 
 # -- GGUF blocks -> repacked forms ----------------------------------------------------------------------------------
@@ -780,7 +862,8 @@ def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight
     for r0 in range(0, n, step):
         rows = min(step, n - r0)
         fmt, group, c, sc, mn = _repack(kind, read(r0, rows))
-        if fmt == "q8" and mn is not None:
+        bits = x16_bits(fmt, kind, group, mn is not None)
+        if bits == 8 and mn is not None:
             return None
         c, sc, mn = (None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
                      for a in (c, sc, mn))  # fmt: skip
@@ -794,7 +877,7 @@ def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight
     codes, scale, minv = whole
     blocks = (n // 16, k // group, 16)
     return QuantWeight.from_x16(fmt, n, k, group, (codes, scale.reshape(blocks), None if minv is None else
-                                                   minv.reshape(blocks)), kind)  # fmt: skip
+                                                   minv.reshape(blocks)), kind, bits)  # fmt: skip
 
 
 class MappedTable:
