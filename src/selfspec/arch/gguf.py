@@ -35,7 +35,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.quant import MappedTable, QuantEmbedding, QuantLinear, QuantWeight, from_gguf, int8_activations, repackable
+from ..core.quant import (
+    MappedTable,
+    QuantEmbedding,
+    QuantLinear,
+    QuantWeight,
+    from_gguf,
+    int8_activations,
+    prefill_kernel,
+    repackable,
+)
 from ..errors import SelfspecError, UnsupportedModelError
 from ..io import atomic_dir
 from .adapters import SUPPORTED_MODEL_TYPES
@@ -201,6 +210,9 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     head_path = _path_of(hf, hf.get_output_embeddings())
     untied = any(name_map.get(t[0]) == f"{head_path}.weight" for t in tensors)  # an output tensor of its own
     pack_head = untied and int8_activations()  # the engine would pack the head and drop its row form: do it now
+    # ... and the decoder layers' products, whose row forms the fused stack drops where the prompt takes the int8
+    # kernels too (made as their interleaved copies alone, the load never holds both forms of every layer)
+    pack_layers = int8_activations() and prefill_kernel() == "rows"
     summary: dict[str, Any] = {"kept": {}, "dequantized": {}}
     quantised: dict[str, QuantWeight | MappedTable] = {}
     with path.open("rb") as f:
@@ -214,7 +226,10 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
             if attr == "weight" and len(shape) == 2 and _quantisable(module) and repackable(kind, shape[0]):
                 perm = _row_permutation(processor, name, shape[1], name_map)
                 mapped = untied and isinstance(module, nn.Embedding)  # looked up a row at a time, never multiplied
-                packed = pack_head and module_path == head_path and getattr(module, "bias", None) is None
+                if module_path == head_path:
+                    packed = pack_head and getattr(module, "bias", None) is None
+                else:
+                    packed = pack_layers and type(module) is nn.Linear
                 qw = None if perm is None else _kept(f, kind, shape, offset, nbytes, perm, mapped=mapped, packed=packed)
             if qw is not None:
                 quantised[module_path] = qw

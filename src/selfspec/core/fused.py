@@ -92,7 +92,7 @@ def unsupported_reason(layer: FusedLayer) -> str | None:
              layer.k_norm)  # fmt: skip
     if any(n is not None and (n.dtype != torch.float32 or n.device.type != "cpu") for n in norms):
         return "norm weights not fp32 on the CPU"
-    if any(m.qweight.codes.device.type != "cpu" for m in layer.linears):
+    if any(m.qweight.device.type != "cpu" for m in layer.linears):
         return "weights not on the CPU"
     return None
 

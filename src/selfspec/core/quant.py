@@ -390,6 +390,11 @@ COMPACT_ENV = "SELFSPEC_COMPACT_CODES"  # 0: 5- and 6-bit codes take a byte each
 _COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
 
 
+def compact_codes() -> bool:
+    """Whether 5- and 6-bit codes take their own width in the interleaved copy (default; see COMPACT_ENV)."""
+    return _COMPACT
+
+
 def x16_bits(fmt: str, source: str, group: int, minima: bool) -> int:
     """Bits per code in the interleaved copy of a weight of this form: 4 (q4), 5 or 6 (a q8 weight from a 5- or
     6-bit GGUF type: ``COMPACT_TYPES``), else 8."""
@@ -451,6 +456,12 @@ class QuantWeight:
     def minv(self) -> torch.Tensor | None:
         self.restore_rows()
         return self._minv
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weight's tensors live (without rebuilding a released row form)."""
+        held = self._codes if self._codes is not None else self.__dict__["_x16"][0]
+        return held.device
 
     @property
     def rows_released(self) -> bool:
