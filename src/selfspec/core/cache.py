@@ -29,6 +29,7 @@ class KVCache:
         self._keys: list[torch.Tensor | None] = [None] * num_layers
         self._values: list[torch.Tensor | None] = [None] * num_layers
         self._layout = None  # the native slot copy's view of the buffers (see _native_layout); False: torch's
+        self._pointers: tuple | None = None  # (shapes, dtype, pointers): buffer_pointers' answer, once all exist
 
     # -- the one named rewind ------------------------------------------------
     def commit(self, length: int) -> None:
@@ -105,7 +106,11 @@ class KVCache:
     def buffer_pointers(self, shapes: list[tuple[int, int]], dtype: torch.dtype) -> list[tuple[int, int]]:
         """Data pointers of every layer's key and value buffers (``[1, heads, capacity, head_dim]``, contiguous),
         allocating those never written; ``shapes``: (heads, head_dim) per layer.  For native code writing
-        and reading the cache directly (:mod:`selfspec.core.fused`)."""
+        and reading the cache directly (:mod:`selfspec.core.fused`).  Remembered for the same ``shapes`` object:
+        a buffer, once made, is never replaced (as :meth:`_native_layout` relies on too)."""
+        memo = self._pointers
+        if memo is not None and memo[0] is shapes and memo[1] == dtype:
+            return memo[2]
         pointers = []
         for i, (heads, dim) in enumerate(shapes):
             for buffers in (self._keys, self._values):
@@ -115,6 +120,7 @@ class KVCache:
                 if buf.shape != (1, heads, self.capacity, dim) or buf.dtype != dtype or not buf.is_contiguous():
                     raise RuntimeError(f"layer {i}: cache buffer {tuple(buf.shape)} {buf.dtype} does not fit")
             pointers.append((self._keys[i].data_ptr(), self._values[i].data_ptr()))
+        self._pointers = (shapes, dtype, pointers)
         return pointers
 
     def nbytes(self) -> int:

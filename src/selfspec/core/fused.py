@@ -113,6 +113,7 @@ class FusedStack:
         self._window_of = np.array([self._windows.index(layer.window) for layer in layers])
         self._rope_of = np.array([self._rope_keys.index(layer.rope_key) for layer in layers])
         self._skip_flags: dict[SkipSet, np.ndarray] = {}
+        self._kv_shapes = tuple((layer.n_kv, layer.head_dim) for layer in layers)  # one object: caches remember it
         fn = self._lib.selfspec_fused_layers
         fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                        ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -300,5 +301,5 @@ class FusedStack:
         kv_dtype = cache.dtype or torch.float32
         if kv_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"the fused stack keeps its cache in float32 or float16, not {kv_dtype}")
-        io[:, 3:] = cache.buffer_pointers([(layer.n_kv, layer.head_dim) for layer in self.layers], kv_dtype)
+        io[:, 3:] = cache.buffer_pointers(self._kv_shapes, kv_dtype)
         return io, [masks, tables]

@@ -228,16 +228,23 @@ class Engine:
             return [self.forward(it.cache, it.input_ids, it.start, positions=it.positions, tree_mask=it.tree_mask,
                                  last_only=it.last_only, cosine_out=it.cosine_out) for it in items]  # fmt: skip
         clock.charge(self, sum(it.input_ids.shape[0] for it in items), skip=NO_SKIP, precision=None)
-        adapter, hs, masks, ropes = self.adapter, [], [], []
+        adapter, masks, lengths, every = self.adapter, [], [], []
         for it in items:
             T = it.input_ids.shape[0]
             positions = it.positions if it.positions is not None else torch.arange(it.start, it.start + T,
                                                                                    device=self.device)  # fmt: skip
             if self.draft_vocab is not None:
                 self.draft_vocab.add(it.input_ids)
-            hs.append(adapter.embed(it.input_ids.view(1, T)))
-            ropes.append(adapter.rotary(hs[-1], positions.view(1, T)))
+            lengths.append(T)
+            every.append(positions)
             masks.append(self._masks(it.start, positions, it.tree_mask, it.start))
+        # one embedding lookup and one rotary table for every row (each row's values as alone: row-wise work)
+        ids = torch.cat([it.input_ids for it in items])
+        h_all = adapter.embed(ids.view(1, -1))
+        hs = list(torch.split(h_all, lengths, dim=1))
+        tables = adapter.rotary(h_all, torch.cat(every).view(1, -1))
+        parts = {key: (c.split(lengths, dim=1), s.split(lengths, dim=1)) for key, (c, s) in tables.items()}
+        ropes = [{key: (c[i], s[i]) for key, (c, s) in parts.items()} for i in range(len(items))]
         cos = None if all(it.cosine_out is None for it in items) else \
             np.full((len(items), 2 * self.num_layers), np.nan, dtype=np.float32)  # fmt: skip
         t0 = time.perf_counter()
