@@ -163,7 +163,7 @@ def test_every_int8_path_computes_the_same_numbers(tmp_path, isa, kind_code):
                 y = torch.empty(T, 48)
                 codes, scale, minv = qw.x16()
                 p = ctypes.c_void_p
-                status = lib.selfspec_linear_x16(ctypes.c_int(qw.x16_bits), ctypes.c_long(T),
+                status = lib.selfspec_linear_x16(ctypes.c_int(qw.x16_form), ctypes.c_long(T),
                                                  ctypes.c_long(48), ctypes.c_long(512), ctypes.c_long(qw.group),
                                                  p(x.data_ptr()), p(codes.data_ptr()), p(scale.data_ptr()),
                                                  None if minv is None else p(minv.data_ptr()), None,
@@ -273,3 +273,25 @@ def test_a_model_loaded_under_int8_keeps_one_form_of_its_weights():
     x = torch.randn(2, head.in_features, generator=torch.Generator().manual_seed(9))
     with activations("int8"):
         assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
+
+
+@pytest.mark.usefixtures("int8_activations")
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0->q4", "Q4_K", "Q6_K"])
+def test_half_scales_give_the_products_of_fp32_scales_bit_for_bit(kind, monkeypatch):
+    """Types whose scales are halves in the file (and the 4-bit draft copies) keep them as halves in the
+    interleaved copy: 2 bytes a scale read, widened exactly, so every product equals the fp32-scale one."""
+    source = kind.split("->")[0]
+    qw = from_gguf(source, random_blocks(source, 48, 512, seed=8), 48, 512)
+    qw = low_bit_copy(qw) if "->" in kind else qw
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    y = qw.matmul(x)
+    half = kind not in ("Q4_K", "Q6_K")  # K-quant scales are products of a half and a 6-bit integer
+    assert (qw.x16()[1].dtype == torch.float16) == half
+    assert bool(qw.x16_form & quant.X16_SCALE16) == half
+    monkeypatch.setattr(quant, "_half_scales", lambda *args: False)
+    wide = from_gguf(source, random_blocks(source, 48, 512, seed=8), 48, 512)
+    wide = low_bit_copy(wide) if "->" in kind else wide
+    assert wide.x16()[1].dtype == torch.float32
+    assert torch.equal(wide.matmul(x), y)
+    if half:
+        assert wide.step_bytes > qw.step_bytes

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import selfspec
-from selfspec.core.quant import LOW_BIT_DRAFT, low_bit_copy, quantize_weight
+from selfspec.core.quant import LOW_BIT_DRAFT, int8_activations, low_bit_copy, quantize_weight
 from selfspec.cost.costs import draft_precisions
 from selfspec.errors import InvalidInputError
 
@@ -18,11 +18,14 @@ def test_low_bit_copy_is_symmetric_4_bit_within_a_step():
     q8 = quantize_weight(w, 8)
     low = low_bit_copy(q8)
     assert low.fmt == "q4" and low.symmetric and (low.out_features, low.in_features, low.group) == (48, 96, 32)
-    assert not low.has_minima and low.step_bytes == 48 * 96 // 2 + 4 * 48 * 3  # codes and one scale per group
+    # codes and one scale per group: a half in the int8 kernels' copy
+    assert not low.has_minima and low.step_bytes == 48 * 96 // 2 + (2 if int8_activations() else 4) * 48 * 3
+    assert torch.equal(low.scale, low.scale.half().float())  # the scales are halves exactly
     ref = q8.dequantize().reshape(48, 3, 32)
     step = ref.abs().amax(-1) / 8  # one 4-bit step per group of 32 (Q4_0's scale)
     err = (low.dequantize().reshape(48, 3, 32) - ref).abs()
-    assert torch.all(err <= step.unsqueeze(-1) + 1e-6)  # a full step only where +8 d clamps to 7 d
+    # a full step only where +8 d clamps to 7 d (d rounded to a half: up to 2^-11 of itself)
+    assert torch.all(err <= step.unsqueeze(-1) * (1 + 2**-8) + 1e-6)
     assert float((err <= step.unsqueeze(-1) / 2 + 1e-6).float().mean()) > 0.95
     q4 = quantize_weight(w, 4)
     assert low_bit_copy(q4) is q4  # nothing to save: shared

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .quant import QuantWeight, int8_activations, native, pack_x16
+from .quant import X16_SCALE16, QuantWeight, int8_activations, native, pack_x16
 
 DRAFT_VOCAB_ENV = "SELFSPEC_DRAFT_VOCAB"
 BASE_ROWS = 16384  # the lowest ids every draft scores
@@ -94,10 +94,15 @@ class DraftVocabulary:
         """Bring the interleaved copy up to date for rows ``lo..hi`` (or make it, for all rows)."""
         if self._x16 is None:
             rows = self._rows(0, self.capacity)
-            self._x16, self._x16_bits = pack_x16(rows), rows.x16_bits
+            self._x16 = pack_x16(rows)
+            self._x16_form = rows.x16_bits | (X16_SCALE16 if self._x16[1].dtype == torch.float16 else 0)
             return
         b0, b1 = lo // 16, -(-hi // 16)
         fresh = pack_x16(self._rows(16 * b0, 16 * b1))
+        if fresh[1].dtype != self._x16[1].dtype:  # these rows' scales are not all halves (or now are): pack all
+            self._x16 = None
+            self._repack(0, self.capacity)
+            return
         for whole, part in zip(self._x16, fresh, strict=True):
             if whole is None:  # symmetric q8: no minima
                 continue
@@ -144,7 +149,7 @@ class DraftVocabulary:
             n = -(-self.size // 16) * 16
             y = torch.empty(rows, n, dtype=torch.float32)
             codes, scale, minv = (None if t is None else t.data_ptr() for t in self._x16)
-            if lib.selfspec_linear_x16(self._x16_bits, rows, n, head.in_features, head.group,
+            if lib.selfspec_linear_x16(self._x16_form, rows, n, head.in_features, head.group,
                                        x.data_ptr(), codes, scale, minv, None, y.data_ptr()):  # fmt: skip
                 raise MemoryError("no memory to quantise the activations of a draft's head")
             return y[:, : self.size]

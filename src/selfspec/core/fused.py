@@ -31,7 +31,7 @@ class _QMat(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_long), ("N", ctypes.c_long), ("K", ctypes.c_long), ("G", ctypes.c_long),
                 ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minv", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("x16_codes", ctypes.c_void_p), ("x16_scale", ctypes.c_void_p),
-                ("x16_min", ctypes.c_void_p), ("x16_bits", ctypes.c_long)]  # fmt: skip
+                ("x16_min", ctypes.c_void_p), ("x16_form", ctypes.c_long)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -77,7 +77,7 @@ def _qmat(linear: QuantLinear, int8: bool) -> _QMat:
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     packed = (w.x16() if int8 else None) or (None, None, None)
     return _QMat(4 if w.fmt == "q4" else 8, w.out_features, w.in_features, w.group, *w.row_pointers(),
-                 ptr(linear.bias), *map(ptr, packed), w.x16_bits)  # fmt: skip
+                 ptr(linear.bias), *map(ptr, packed), w.x16_form if int8 and packed[0] is not None else 0)  # fmt: skip
 
 
 def unsupported_reason(layer: FusedLayer) -> str | None:

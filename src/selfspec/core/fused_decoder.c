@@ -31,8 +31,8 @@ int selfspec_prompt_gemm_ws(int bits, long T, long N, long K, long G, const floa
 long selfspec_qrows_bytes(long T, long K);
 void selfspec_quantize_rows_ws(long T, long K, const float *x, void *buf);
 void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t);
-void selfspec_linear_x16_ws(int bits, long T, long N, long K, long G, const void *buf, const uint8_t *codes,
-                            const float *scale, const float *minv, const float *bias, float *y);
+void selfspec_linear_x16_ws(int form, long T, long N, long K, long G, const void *buf, const uint8_t *codes,
+                            const void *scale, const void *minv, const float *bias, float *y);
 
 #define LANES 16
 
@@ -42,8 +42,8 @@ typedef struct {
     const void *codes;
     const float *scale, *minv, *bias; /* minv, bias: NULL when absent */
     const uint8_t *x16_codes;         /* int8_kernels.c's interleaved copy, or NULL (fp32 products only) */
-    const float *x16_scale, *x16_min;
-    long x16_bits; /* bits per code in the interleaved copy: 4, 5, 6 (compact forms) or 8 */
+    const void *x16_scale, *x16_min;  /* fp32, or IEEE halves (x16_form & 0x100) */
+    long x16_form; /* bits per code in the interleaved copy (4, 5, 6: compact forms, or 8) | 0x100: half scales */
 } qmat;
 
 typedef struct {
@@ -73,7 +73,7 @@ typedef struct {
  * takes int8 activations, ps->xq holds x quantised (quantize()) and weights with an x16 copy use it. */
 static void matmul(const qmat *m, long T, const float *x, float *y, const pass_t *ps) {
     if (ps->xq && m->x16_codes) {
-        selfspec_linear_x16_ws((int)m->x16_bits, T, m->N, m->K, m->G, ps->xq, m->x16_codes, m->x16_scale, m->x16_min,
+        selfspec_linear_x16_ws((int)m->x16_form, T, m->N, m->K, m->G, ps->xq, m->x16_codes, m->x16_scale, m->x16_min,
                                m->bias, y);
         return;
     }

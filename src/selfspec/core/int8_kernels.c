@@ -24,6 +24,11 @@
  * 2j, 2j + 1 (BITS 6).  A group of 16 rows then takes 320 bytes for 32 codes (q8: 512) or 192 for 16 (q8: 256),
  * and m = -16 d or -32 d for the symmetric types (stored minima are the row form's own, exact).
  *
+ * Scales (and minima) are fp32, or IEEE halves where every one of them is a half exactly (the GGUF types that store
+ * fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the 4-bit draft copies, whose scales are rounded to halves): a
+ * product's `form` argument is BITS | X16_SCALE16.  Widening a half is exact, so the products are bit for bit those
+ * of fp32 scales, from 2 bytes a scale instead of 4 (Q4_1: a sixth of the bytes read; Q8_0: a eighteenth).
+ *
  * Row independence (what keeps speculative decoding token-identical): a row of x is quantised on its own, its
  * integer sums are exact, and its float operations run in the same order whatever the number of rows T in
  * the call.  The portable C path performs the same operations (fmaf where the vector code fuses).
@@ -32,11 +37,12 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SELFSPEC_VNNI 1
 #include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SELFSPEC_AVX2 1
 #include <immintrin.h>
 #endif
@@ -158,18 +164,43 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
 /* Bytes of one group of G codes for 16 output rows in each form, and a symmetric form's minimum in units of d */
 #define GROUP_BYTES(BITS, G) ((BITS) == 4 ? 256 : (BITS) == 5 ? 320 : (BITS) == 6 ? 192 : (G) * 16)
 #define SYM_MIN(BITS) ((BITS) == 4 ? -8.0f : (BITS) == 5 ? -16.0f : (BITS) == 6 ? -32.0f : -128.0f)
+#define X16_SCALE16 0x100 /* in a product's form: scales and minima are IEEE halves */
+
+/* An IEEE half widened to a float (exact; the portable path's and the tail's conversion) */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        const float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Entry i of a table of scales or minima in fp32 or (S16) halves */
+static inline float scale_at(const void *p, long i, int S16) {
+    return S16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 #ifdef SELFSPEC_VNNI
+
+/* 16 scales or minima from i, fp32 or (S16) halves widened by vcvtph2ps */
+static inline __attribute__((always_inline)) __m512 scales16(const void *p, long i, const int S16) {
+    return S16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+               : _mm512_loadu_ps((const float *)p + i);
+}
 
 /* NB (1..8) rows of x against one block of 16 output rows; y [t * ldy + r] for r < 16.  BITS and G are
  * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: the rows' codes [t * K] and block scales
  * [t * K/32]; ds: dx * code sums per weight group [t * K/G]. */
 static inline __attribute__((always_inline)) void block_vnni(const int NB, const int BITS, const long G,
-                                                             const int SYM, long K,
+                                                             const int SYM, const int S16, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
                                                              const int32_t *xs, const uint8_t *codes,
-                                                             const float *scale,
-                                                             const float *minv, const float *bias, float *y,
+                                                             const void *scale,
+                                                             const void *minv, const float *bias, float *y,
                                                              long ldy) {
     (void)xs; /* vpdpbusd takes the codes + 128 as they are */
     const long groups = K / G;
@@ -182,8 +213,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
          * product is too short a stream for the hardware prefetcher, which alone read the head at 2/3 the speed */
         if (ahead) {
             for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
-            __builtin_prefetch(scale + (g + ahead) * 16, 0, 0);
-            if (!SYM) __builtin_prefetch(minv + (g + ahead) * 16, 0, 0);
+            __builtin_prefetch((const char *)scale + (g + ahead) * 16 * (S16 ? 2 : 4), 0, 0);
+            if (!SYM) __builtin_prefetch((const char *)minv + (g + ahead) * 16 * (S16 ? 2 : 4), 0, 0);
         }
         __m512i w[8];
         if (BITS == 4) {
@@ -225,9 +256,9 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
             const uint8_t *c = codes + g * G * 16;
             for (int j = 0; j < G / 4; j++) w[j] = _mm512_loadu_si512(c + 64 * j);
         }
-        const __m512 dv = _mm512_loadu_ps(scale + g * 16);
+        const __m512 dv = scales16(scale, g * 16, S16);
         /* symmetric (no stored minimum): -2^(BITS-1) d, exactly the row form's minimum */
-        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : _mm512_loadu_ps(minv + g * 16);
+        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : scales16(minv, g * 16, S16);
         for (int t = 0; t < NB; t++) {
             const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* two chains: integer sums are */
@@ -270,6 +301,12 @@ static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const
                                                   ones16));
     }
     return _mm256_add_epi32(s, _mm256_set1_epi32(128 * xsum)); /* back to the codes + 128 */
+}
+
+/* 8 scales or minima from i, fp32 or (S16) halves widened by vcvtph2ps (F16C) */
+static inline __attribute__((always_inline)) __m256 scales8(const void *p, long i, const int S16) {
+    return S16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
 }
 
 /* The same for 5- and 6-bit codes (0..63) in NW words w[NW]: pair products reach 16,002, so two words add in int16 */
@@ -321,11 +358,11 @@ static inline __attribute__((always_inline)) void decode_compact(const int BITS,
  * vpdpbusd's, and each lane's float operations are block_vnni's in the same order, so the products are
  * bit-identical. */
 static inline __attribute__((always_inline)) void block_avx2(const int NB, const int BITS, const long G,
-                                                             const int SYM, long K,
+                                                             const int SYM, const int S16, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
                                                              const int32_t *xs, const uint8_t *codes,
-                                                             const float *scale,
-                                                             const float *minv, const float *bias, float *y,
+                                                             const void *scale,
+                                                             const void *minv, const float *bias, float *y,
                                                              long ldy) {
     const long groups = K / G;
     const __m256i low = _mm256_set1_epi8(15);
@@ -338,9 +375,8 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                 for (long b = 0; b < group_bytes; b += 64)
                     __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
             const uint8_t *c = codes + g * group_bytes + 32 * h;
-            const __m256 dv = _mm256_loadu_ps(scale + g * 16 + 8 * h);
-            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(SYM_MIN(BITS)))
-                                  : _mm256_loadu_ps(minv + g * 16 + 8 * h);
+            const __m256 dv = scales8(scale, g * 16 + 8 * h, S16);
+            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(SYM_MIN(BITS))) : scales8(minv, g * 16 + 8 * h, S16);
             __m256i w[8];
             if (BITS == 4)
                 for (int j = 0; j < 4; j++) {
@@ -381,32 +417,32 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
 #endif
 
 /* rows t0.. of x (NB of them) against one block, for one (BITS, G) */
-#define BLOCK(NB, BITS, G, SYM) \
-    BLOCK_KERNEL(NB, BITS, G, SYM, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
+#define BLOCK(NB, BITS, G, SYM, S16) \
+    BLOCK_KERNEL(NB, BITS, G, SYM, S16, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
                  ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), x->xs16 + t0 * (K / 16), c, s, \
                  m, bb, yb + t0 * N, N)
 
 /* All T rows of x against one block of 16 output rows, in runs of up to BLOCK_RUN rows */
-#define BLOCK_ROWS(BITS, G, SYM)                                             \
-    do {                                                                     \
-        long t0 = 0;                                                         \
-        for (; t0 + BLOCK_RUN <= T; t0 += BLOCK_RUN) BLOCK(BLOCK_RUN, BITS, G, SYM); \
-        switch (T - t0) {                                                    \
-            case 7: BLOCK(7, BITS, G, SYM); break;                           \
-            case 6: BLOCK(6, BITS, G, SYM); break;                           \
-            case 5: BLOCK(5, BITS, G, SYM); break;                           \
-            case 4: BLOCK(4, BITS, G, SYM); break;                           \
-            case 3: BLOCK(3, BITS, G, SYM); break;                           \
-            case 2: BLOCK(2, BITS, G, SYM); break;                           \
-            case 1: BLOCK(1, BITS, G, SYM); break;                           \
-            default: break;                                                  \
-        }                                                                    \
+#define BLOCK_ROWS(BITS, G, SYM, S16)                                                  \
+    do {                                                                               \
+        long t0 = 0;                                                                   \
+        for (; t0 + BLOCK_RUN <= T; t0 += BLOCK_RUN) BLOCK(BLOCK_RUN, BITS, G, SYM, S16); \
+        switch (T - t0) {                                                              \
+            case 7: BLOCK(7, BITS, G, SYM, S16); break;                                \
+            case 6: BLOCK(6, BITS, G, SYM, S16); break;                                \
+            case 5: BLOCK(5, BITS, G, SYM, S16); break;                                \
+            case 4: BLOCK(4, BITS, G, SYM, S16); break;                                \
+            case 3: BLOCK(3, BITS, G, SYM, S16); break;                                \
+            case 2: BLOCK(2, BITS, G, SYM, S16); break;                                \
+            case 1: BLOCK(1, BITS, G, SYM, S16); break;                                \
+            default: break;                                                            \
+        }                                                                              \
     } while (0)
 #endif
 
 /* The portable form of the same arithmetic (one row of x at a time) */
-static void block_portable(int bits, long K, long G, const int8_t *xq, const float *dx, const float *ds16,
-                           const float *ds32, const uint8_t *codes, const float *scale, const float *minv,
+static void block_portable(int bits, int s16, long K, long G, const int8_t *xq, const float *dx, const float *ds16,
+                           const float *ds32, const uint8_t *codes, const void *scale, const void *minv,
                            const float *bias, float *y) {
     float acc[16] = {0};
     for (long g = 0; g < K / G; g++) {
@@ -432,8 +468,9 @@ static void block_portable(int bits, long K, long G, const int8_t *xq, const flo
                 }
         const float dxg = dx[(g * G) / 32], dsg = G == 32 ? ds32[g] : ds16[g];
         for (int r = 0; r < 16; r++) {
-            acc[r] = fmaf((float)s[r], scale[g * 16 + r] * dxg, acc[r]);
-            acc[r] = fmaf(minv ? minv[g * 16 + r] : SYM_MIN(bits) * scale[g * 16 + r], dsg, acc[r]);
+            const float d = scale_at(scale, g * 16 + r, s16);
+            acc[r] = fmaf((float)s[r], d * dxg, acc[r]);
+            acc[r] = fmaf(minv ? scale_at(minv, g * 16 + r, s16) : SYM_MIN(bits) * d, dsg, acc[r]);
         }
     }
     for (int r = 0; r < 16; r++) y[r] = bias ? acc[r] + bias[r] : acc[r];
@@ -441,37 +478,64 @@ static void block_portable(int bits, long K, long G, const int8_t *xq, const flo
 
 /* This thread's share of y [T, N] = x @ W.T (+ bias) for an x16 weight W [N, K] (N a multiple of 16), x already
  * quantised; inside a parallel region that every thread enters, no barrier at the end. */
-static void linear_x16_ws(int bits, long T, long N, long K, long G, const qrows *x, const uint8_t *codes,
-                          const float *scale, const float *minv, const float *bias, float *y) {
-    const long groups = K / G, block_bytes = groups * GROUP_BYTES(bits, G);
+static void linear_x16_ws(int form, long T, long N, long K, long G, const qrows *x, const uint8_t *codes,
+                          const void *scale, const void *minv, const float *bias, float *y) {
+    const int bits = form & 0xff, s16 = (form & X16_SCALE16) != 0;
+    const long groups = K / G, block_bytes = groups * GROUP_BYTES(bits, G), esize = s16 ? 2 : 4;
 #pragma omp for schedule(static) nowait
     for (long nb = 0; nb < N / 16; nb++) {
         const uint8_t *c = codes + nb * block_bytes;
-        const float *s = scale + nb * groups * 16, *m = minv ? minv + nb * groups * 16 : NULL;
+        const void *s = (const char *)scale + nb * groups * 16 * esize;
+        const void *m = minv ? (const char *)minv + nb * groups * 16 * esize : NULL;
         const float *bb = bias ? bias + nb * 16 : NULL;
 #if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
         float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
         if (bits == 4 && m)
-            BLOCK_ROWS(4, 32, 0);
+            {
+            if (s16)
+                BLOCK_ROWS(4, 32, 0, 1);
+            else
+                BLOCK_ROWS(4, 32, 0, 0);
+        }
         else if (bits == 4)
-            BLOCK_ROWS(4, 32, 1);
+            {
+            if (s16)
+                BLOCK_ROWS(4, 32, 1, 1);
+            else
+                BLOCK_ROWS(4, 32, 1, 0);
+        }
         else if (bits == 5 && m)
-            BLOCK_ROWS(5, 32, 0);
+            {
+            if (s16)
+                BLOCK_ROWS(5, 32, 0, 1);
+            else
+                BLOCK_ROWS(5, 32, 0, 0);
+        }
         else if (bits == 5)
-            BLOCK_ROWS(5, 32, 1);
+            {
+            if (s16)
+                BLOCK_ROWS(5, 32, 1, 1);
+            else
+                BLOCK_ROWS(5, 32, 1, 0);
+        }
         else if (bits == 6)
-            BLOCK_ROWS(6, 16, 1);
+            BLOCK_ROWS(6, 16, 1, 0);
         else if (G == 32 && m)
-            BLOCK_ROWS(8, 32, 0);
+            BLOCK_ROWS(8, 32, 0, 0);
         else if (G == 32)
-            BLOCK_ROWS(8, 32, 1);
+            {
+            if (s16)
+                BLOCK_ROWS(8, 32, 1, 1);
+            else
+                BLOCK_ROWS(8, 32, 1, 0);
+        }
         else if (m)
-            BLOCK_ROWS(8, 16, 0);
+            BLOCK_ROWS(8, 16, 0, 0);
         else
-            BLOCK_ROWS(8, 16, 1);
+            BLOCK_ROWS(8, 16, 1, 0);
 #else
         for (long t = 0; t < T; t++)
-            block_portable(bits, K, G, x->q + t * K, x->dx + t * (K / 32), x->ds16 + t * (K / 16),
+            block_portable(bits, s16, K, G, x->q + t * K, x->dx + t * (K / 32), x->ds16 + t * (K / 16),
                            x->ds32 + t * (K / 32), c, s, m, bb, y + t * N + nb * 16);
 #endif
     }
@@ -506,21 +570,22 @@ void selfspec_quantize_rows_ws(long T, long K, const float *x, void *buf) {
 }
 
 /* y [T, N] = x @ W.T (+ bias) from rows already quantised into buf by selfspec_quantize_rows_ws (the fused stack) */
-void selfspec_linear_x16_ws(int bits, long T, long N, long K, long G, const void *buf, const uint8_t *codes,
-                            const float *scale, const float *minv, const float *bias, float *y) {
+void selfspec_linear_x16_ws(int form, long T, long N, long K, long G, const void *buf, const uint8_t *codes,
+                            const void *scale, const void *minv, const float *bias, float *y) {
     const qrows r = qrows_at((void *)buf, T, K);
-    linear_x16_ws(bits, T, N, K, G, &r, codes, scale, minv, bias, y);
+    linear_x16_ws(form, T, N, K, G, &r, codes, scale, minv, bias, y);
 }
 
-/* y [T, N] = x [T, K] @ W.T (+ bias) for an x16 weight, x in fp32.  Returns 0, or -1 without scratch memory. */
-int selfspec_linear_x16(int bits, long T, long N, long K, long G, const float *x, const uint8_t *codes,
-                        const float *scale, const float *minv, const float *bias, float *y) {
+/* y [T, N] = x [T, K] @ W.T (+ bias) for an x16 weight, x in fp32; form: bits per code | X16_SCALE16 for half
+ * scales.  Returns 0, or -1 without scratch memory. */
+int selfspec_linear_x16(int form, long T, long N, long K, long G, const float *x, const uint8_t *codes,
+                        const void *scale, const void *minv, const float *bias, float *y) {
     void *buf = NULL;
     if (posix_memalign(&buf, 64, (size_t)selfspec_qrows_bytes(T, K))) return -1;
 #pragma omp parallel if (T * N * K > (1L << 16)) num_threads(selfspec_pass_threads())
     {
         selfspec_quantize_rows_ws(T, K, x, buf);
-        selfspec_linear_x16_ws(bits, T, N, K, G, buf, codes, scale, minv, bias, y);
+        selfspec_linear_x16_ws(form, T, N, K, G, buf, codes, scale, minv, bias, y);
     }
     free(buf);
     return 0;

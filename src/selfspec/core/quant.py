@@ -390,6 +390,11 @@ COMPACT_ENV = "SELFSPEC_COMPACT_CODES"  # 0: 5- and 6-bit codes take a byte each
 _COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
 
 
+# GGUF types whose scales (and minima) are IEEE halves in the file: their interleaved copies keep them so (exactly)
+HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+X16_SCALE16 = 0x100  # int8_kernels.c: a product's form = bits per code | this flag for half scales
+
+
 def compact_codes() -> bool:
     """Whether 5- and 6-bit codes take their own width in the interleaved copy (default; see COMPACT_ENV)."""
     return _COMPACT
@@ -501,8 +506,9 @@ class QuantWeight:
             else:
                 self._codes = torch.from_numpy((raw ^ np.uint8(0x80)).view(np.int8).reshape(n, k))
 
-        def unpack(t: torch.Tensor) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(t.numpy().transpose(0, 2, 1)).reshape(n, groups))
+        def unpack(t: torch.Tensor) -> torch.Tensor:  # (half scales widen exactly)
+            return torch.from_numpy(np.ascontiguousarray(t.numpy().transpose(0, 2, 1), dtype=np.float32).reshape(n,
+                                                                                                       groups))
 
         self._scale = unpack(scale)
         self._minv = None if minv is None else unpack(minv)
@@ -520,10 +526,14 @@ class QuantWeight:
     def step_bytes(self) -> int:
         """Bytes a product reads: one form of the weight (under int8 activations the interleaved copy, whose 5- and
         6-bit codes take their own width; else the row form; a symmetric weight's copy has no minima either)."""
+        packed = self.__dict__.get("_x16")
+        if packed is not None and int8_activations():  # the copy as made (half scales where exact)
+            return sum(t.numel() * t.element_size() for t in packed if t is not None)
         groups = self.out_features * (self.in_features // self.group)
         bits = self.x16_bits if int8_activations() and self.out_features % 16 == 0 else (4 if self.fmt == "q4" else 8)
         codes = self.out_features * self.in_features * bits // 8
-        return codes + 4 * groups * (2 if self.has_minima else 1)
+        half = int8_activations() and _half_scales(self, bits, not self.has_minima)  # (as pack_x16 will hold it)
+        return codes + (2 if half else 4) * groups * (2 if self.has_minima else 1)
 
     @property
     def has_minima(self) -> bool:
@@ -542,6 +552,13 @@ class QuantWeight:
             minima = self._minv is not None and not (self.fmt == "q4" and self.symmetric)
             bits = x16_bits(self.fmt, self.source, self.group, minima)
         return bits
+
+    @property
+    def x16_form(self) -> int:
+        """The interleaved copy's form for the kernels: bits per code, | X16_SCALE16 where its scales are halves."""
+        packed = self.x16()
+        half = packed is not None and packed[1].dtype == torch.float16
+        return self.x16_bits | (X16_SCALE16 if half else 0)
 
     def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The interleaved copy ``int8_kernels.c`` multiplies (codes, scale, minimum), made on first use; None
@@ -572,7 +589,7 @@ class QuantWeight:
             lib, packed = native(), self.x16() if int8 else None
             shape = (self.out_features, self.in_features)
             if packed is not None:  # int8 activations: (bits, T, N, K, G, x, codes, scale, min, bias, y)
-                fn, head = lib.selfspec_linear_x16, (self.x16_bits,)
+                fn, head = lib.selfspec_linear_x16, (self.x16_form,)
                 shape, weights = (*shape, self.group), (*map(_ptr, packed), None)
             else:
                 fn, head = (lib.selfspec_linear_q4 if self.fmt == "q4" else lib.selfspec_linear_q8), ()
@@ -643,7 +660,7 @@ class QuantWeight:
             raw = raw.reshape(len(n), -1)
             if self.fmt == "q8":
                 raw = (raw ^ np.uint8(0x80)).view(np.int8)
-        pick = lambda t: torch.from_numpy(np.ascontiguousarray(t.numpy()[block, :, r]))  # noqa: E731
+        pick = lambda t: torch.from_numpy(np.ascontiguousarray(t.numpy()[block, :, r], dtype=np.float32))  # noqa: E731
         if minv is None and self.fmt == "q4":  # symmetric: -8 d
             return torch.from_numpy(raw), pick(scale), pick(scale) * np.float32(-8)
         return torch.from_numpy(raw), pick(scale), None if minv is None else pick(minv)
@@ -700,14 +717,29 @@ def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
         block = raw[b : b + step] if w.fmt == "q4" else raw[b : b + step] ^ np.uint8(0x80)
         codes[b : b + step] = block.transpose(0, 2, 3, 1, 4)
     scale = w.scale.numpy().reshape(n // 16, 16, groups)
-    packed_scale = torch.from_numpy(np.ascontiguousarray(scale.transpose(0, 2, 1)))
-    if w.minv is None or (w.fmt == "q4" and w.symmetric):  # symmetric: the kernel computes -2^(bits-1) * scale
-        return torch.from_numpy(codes.reshape(-1)), packed_scale, None
-    minv = w.minv.numpy().reshape(n // 16, 16, groups)
-    if bits == 8:
+    sym = w.minv is None or (w.fmt == "q4" and w.symmetric)  # symmetric: the kernel computes -2^(bits-1) * scale
+    minv = None if sym else w.minv.numpy().reshape(n // 16, 16, groups)
+    if minv is not None and bits == 8:
         minv = minv - np.float32(128) * scale
-    return (torch.from_numpy(codes.reshape(-1)), packed_scale,
-            torch.from_numpy(np.ascontiguousarray(minv.transpose(0, 2, 1), dtype=np.float32)))  # fmt: skip
+    tables = [t for t in (scale, minv) if t is not None]
+    dtype = np.float16 if _half_scales(w, bits, sym) and all(_halves_exact(t) for t in tables) else np.float32
+    scale_out, minv_out = (None if t is None else torch.from_numpy(np.ascontiguousarray(t.transpose(0, 2, 1),
+                                                                                        dtype=dtype))
+                           for t in (scale, minv))  # fmt: skip
+    return torch.from_numpy(codes.reshape(-1)), scale_out, minv_out
+
+
+def _half_scales(w: QuantWeight, bits: int, sym: bool) -> bool:
+    """Whether the interleaved copy of ``w`` may keep its scales as halves: a type that stores them so (or a 4-bit
+    draft copy, whose scales are rounded to halves), in a form the kernels take them for."""
+    kind = w.source in HALF_SCALE_TYPES or (w.fmt == "q4" and w.symmetric and w.source.endswith("->q4"))
+    return kind and bits in (4, 5, 8) and (sym or bits != 8)
+
+
+def _halves_exact(t: np.ndarray) -> bool:
+    """Whether every value of ``t`` (fp32) is an IEEE half exactly."""
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(t.astype(np.float16).astype(np.float32), t))
 
 
 def _compact_blocks(code: np.ndarray, bits: int, minima: bool) -> np.ndarray:
@@ -879,6 +911,8 @@ def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight
         c, sc, mn = (None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
                      for a in (c, sc, mn))  # fmt: skip
         part = pack_x16(QuantWeight(fmt, rows, k, group, c, sc, mn, kind))
+        if whole and part[1].dtype != whole[1].dtype:  # one piece's scales not all halves: pack it whole instead
+            return None
         per = [None if p is None else p.numel() // (rows // 16) for p in part]  # elements per block of 16 rows
         if not whole:  # the outputs, allocated once
             whole = [None if p is None else p.new_empty(m * (n // 16)) for p, m in zip(part, per, strict=True)]
@@ -977,7 +1011,7 @@ def quantize_weight(weight: torch.Tensor, bits: int, *, symmetric: bool = False)
         return QuantWeight("q8", n, k, 32, q.reshape(n, k).contiguous(), scale.contiguous(), None, "int8")
     if bits == 4 and symmetric:
         big = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
-        d = big / -8
+        d = (big / -8).to(torch.float16).to(torch.float32)  # a half: the interleaved copy keeps 2 bytes a scale
         q = torch.round(g / torch.where(d == 0, 1, d).unsqueeze(-1) + 8).clamp(0, 15)
         codes = _pack_nibbles(q.to(torch.uint8).numpy())
         return QuantWeight("q4", n, k, 32, torch.from_numpy(codes.reshape(n, k // 2)), d.contiguous(),
