@@ -438,6 +438,15 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
             default: break;                                                            \
         }                                                                              \
     } while (0)
+
+/* The same for a form that may hold its scales as halves (s16) or fp32 */
+#define BLOCK_ROWS_S16(BITS, G, SYM)       \
+    do {                                   \
+        if (s16)                           \
+            BLOCK_ROWS(BITS, G, SYM, 1);   \
+        else                               \
+            BLOCK_ROWS(BITS, G, SYM, 0);   \
+    } while (0)
 #endif
 
 /* The portable form of the same arithmetic (one row of x at a time) */
@@ -491,44 +500,19 @@ static void linear_x16_ws(int form, long T, long N, long K, long G, const qrows 
 #if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
         float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
         if (bits == 4 && m)
-            {
-            if (s16)
-                BLOCK_ROWS(4, 32, 0, 1);
-            else
-                BLOCK_ROWS(4, 32, 0, 0);
-        }
+            BLOCK_ROWS_S16(4, 32, 0);
         else if (bits == 4)
-            {
-            if (s16)
-                BLOCK_ROWS(4, 32, 1, 1);
-            else
-                BLOCK_ROWS(4, 32, 1, 0);
-        }
+            BLOCK_ROWS_S16(4, 32, 1);
         else if (bits == 5 && m)
-            {
-            if (s16)
-                BLOCK_ROWS(5, 32, 0, 1);
-            else
-                BLOCK_ROWS(5, 32, 0, 0);
-        }
+            BLOCK_ROWS_S16(5, 32, 0);
         else if (bits == 5)
-            {
-            if (s16)
-                BLOCK_ROWS(5, 32, 1, 1);
-            else
-                BLOCK_ROWS(5, 32, 1, 0);
-        }
+            BLOCK_ROWS_S16(5, 32, 1);
         else if (bits == 6)
             BLOCK_ROWS(6, 16, 1, 0);
         else if (G == 32 && m)
             BLOCK_ROWS(8, 32, 0, 0);
         else if (G == 32)
-            {
-            if (s16)
-                BLOCK_ROWS(8, 32, 1, 1);
-            else
-                BLOCK_ROWS(8, 32, 1, 0);
-        }
+            BLOCK_ROWS_S16(8, 32, 1);
         else if (m)
             BLOCK_ROWS(8, 16, 0, 0);
         else
