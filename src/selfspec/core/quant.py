@@ -560,6 +560,15 @@ class QuantWeight:
         half = packed is not None and packed[1].dtype == torch.float16
         return self.x16_bits | (X16_SCALE16 if half else 0)
 
+    @property
+    def form_label(self) -> str:
+        """The form products read, for reports: ``q8/32`` (row form), or under int8 activations the interleaved
+        copy's bits per code with ``h`` for half scales (``q5h/32``: Q5_0's compact codes and half scales)."""
+        if not (int8_activations() and self.x16() is not None):
+            return f"{self.fmt}/{self.group}"
+        half = "h" if self.x16_form & X16_SCALE16 else ""
+        return f"q{self.x16_bits}{half}/{self.group}"
+
     def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The interleaved copy ``int8_kernels.c`` multiplies (codes, scale, minimum), made on first use; None
         when the rows are not a multiple of 16."""
@@ -1154,7 +1163,7 @@ def measure_products(module: nn.Module, rows=(1, 4, 16), reps: int = 20) -> list
         if key in seen:
             seen[key]["count"] += 1 if seen[key]["id"] != id(w) else 0
             continue
-        entry = seen[key] = {"type": w.source, "form": f"{w.fmt}/{w.group}", "shape": [w.out_features, w.in_features],
+        entry = seen[key] = {"type": w.source, "form": w.form_label, "shape": [w.out_features, w.in_features],
                              "count": 1, "mb": w.step_bytes / 1e6, "ms": {}, "gbs": {}, "id": id(w)}  # fmt: skip
         for t in rows:
             x = torch.randn(t, w.in_features)
