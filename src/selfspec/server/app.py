@@ -234,12 +234,22 @@ async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Rep
 
 async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply, include_usage: bool
                ) -> AsyncIterator[str]:  # fmt: skip
+    pending = None  # an event taken while merging pieces, handled next
     try:
         yield _event(reply.chunk("" if reply.chat else None, role=True))
         while True:
-            kind, payload = await _next(request, job, events)
+            kind, payload = pending if pending is not None else await _next(request, job, events)
+            pending = None
             if kind == "piece":
                 text, tokens, drafted = payload
+                # pieces that queued up while the loop was busy (several requests decoding) go out as one event:
+                # the same text, fewer events to write and parse
+                while not events.empty():
+                    kind2, payload2 = events.get_nowait()
+                    if kind2 != "piece":
+                        pending = (kind2, payload2)
+                        break
+                    text, tokens, drafted = text + payload2[0], tokens + payload2[1], drafted + payload2[2]
                 if text or tokens:
                     yield _event(reply.chunk(text, extra={"tokens": tokens, "drafted": drafted}))
             elif kind == "done":
