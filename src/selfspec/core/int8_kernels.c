@@ -192,6 +192,25 @@ static inline __attribute__((always_inline)) __m512 scales16(const void *p, long
                : _mm512_loadu_ps((const float *)p + i);
 }
 
+/* A compact group's codes (c: its first byte) as the 64-byte words w[j] (k = 4j + i): the nibbles with the high
+ * group's bits of word j (BITS 5: bit j; BITS 6: bits 2j, 2j + 1) moved to bit 4 (and 5), one ternary-logic
+ * instruction (0xF8: a | b & c) a word */
+static inline __attribute__((always_inline)) void decode_compact512(const int BITS, const uint8_t *c, __m512i w[8]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const int J = BITS == 5 ? 4 : 2; /* 64-byte groups of nibbles */
+    const __m512i hb = _mm512_loadu_si512(c + 64 * J), mask = _mm512_set1_epi8(BITS == 5 ? 0x10 : 0x30);
+    __m512i h[8];
+    for (int j = 0; j < 2 * J; j++) {
+        const int shift = 4 - (BITS - 4) * j; /* left by shift, or right by -shift: bits only move within a byte */
+        h[j] = shift > 0 ? _mm512_slli_epi16(hb, shift) : shift < 0 ? _mm512_srli_epi16(hb, -shift) : hb;
+    }
+    for (int j = 0; j < J; j++) {
+        const __m512i v = _mm512_loadu_si512(c + 64 * j);
+        w[j] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), h[j], mask, 0xF8);
+        w[j + J] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), h[j + J], mask, 0xF8);
+    }
+}
+
 /* NB (1..8) rows of x against one block of 16 output rows; y [t * ldy + r] for r < 16.  BITS and G are
  * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: the rows' codes [t * K] and block scales
  * [t * K/32]; ds: dx * code sums per weight group [t * K/G]. */
@@ -224,34 +243,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
                 w[j] = _mm512_and_si512(v, low);
                 w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
-        } else if (BITS == 5) { /* nibbles | bit j of the high group moved to bit 4 (ternary logic 0xF8: a | b & c) */
-            const uint8_t *c = codes + g * 320;
-            const __m512i hb = _mm512_loadu_si512(c + 256), b4 = _mm512_set1_epi8(0x10);
-            __m512i v = _mm512_loadu_si512(c);
-            w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 4), b4, 0xF8);
-            w[4] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), hb, b4, 0xF8);
-            v = _mm512_loadu_si512(c + 64);
-            w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 3), b4, 0xF8);
-            w[5] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_srli_epi16(hb, 1),
-                                             b4, 0xF8);
-            v = _mm512_loadu_si512(c + 128);
-            w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 2), b4, 0xF8);
-            w[6] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_srli_epi16(hb, 2),
-                                             b4, 0xF8);
-            v = _mm512_loadu_si512(c + 192);
-            w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 1), b4, 0xF8);
-            w[7] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_srli_epi16(hb, 3),
-                                             b4, 0xF8);
-        } else if (BITS == 6) { /* nibbles | bits 2j, 2j + 1 of the high group moved to bits 4-5 */
-            const uint8_t *c = codes + g * 192;
-            const __m512i hb = _mm512_loadu_si512(c + 128), b45 = _mm512_set1_epi8(0x30);
-            __m512i v = _mm512_loadu_si512(c);
-            w[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 4), b45, 0xF8);
-            w[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), hb, b45, 0xF8);
-            v = _mm512_loadu_si512(c + 64);
-            w[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), _mm512_slli_epi16(hb, 2), b45, 0xF8);
-            w[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_srli_epi16(hb, 2),
-                                             b45, 0xF8);
+        } else if (BITS == 5 || BITS == 6) {
+            decode_compact512(BITS, codes + g * GROUP_BYTES(BITS, G), w);
         } else {
             const uint8_t *c = codes + g * G * 16;
             for (int j = 0; j < G / 4; j++) w[j] = _mm512_loadu_si512(c + 64 * j);
