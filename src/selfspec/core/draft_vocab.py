@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .quant import X16_SCALE16, QuantWeight, int8_activations, native, pack_x16
+from .quant import QuantWeight, int8_activations, native, pack_x16
 
 DRAFT_VOCAB_ENV = "SELFSPEC_DRAFT_VOCAB"
 BASE_ROWS = 16384  # the lowest ids every draft scores
@@ -94,8 +94,7 @@ class DraftVocabulary:
         """Bring the interleaved copy up to date for rows ``lo..hi`` (or make it, for all rows)."""
         if self._x16 is None:
             rows = self._rows(0, self.capacity)
-            self._x16 = pack_x16(rows)
-            self._x16_form = rows.x16_bits | (X16_SCALE16 if self._x16[1].dtype == torch.float16 else 0)
+            self._x16, self._x16_form = rows.x16(), rows.x16_form  # (the form: bits, half scales)
             return
         b0, b1 = lo // 16, -(-hi // 16)
         fresh = pack_x16(self._rows(16 * b0, 16 * b1))
