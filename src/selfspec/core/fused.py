@@ -77,7 +77,7 @@ def _qmat(linear: QuantLinear, int8: bool) -> _QMat:
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     packed = (w.x16() if int8 else None) or (None, None, None)
     return _QMat(4 if w.fmt == "q4" else 8, w.out_features, w.in_features, w.group, *w.row_pointers(),
-                 ptr(linear.bias), *map(ptr, packed), w.x16_form if int8 and packed[0] is not None else 0)  # fmt: skip
+                 ptr(linear.bias), *map(ptr, packed), 0 if packed[0] is None else w.x16_form)  # fmt: skip
 
 
 def unsupported_reason(layer: FusedLayer) -> str | None:

@@ -318,24 +318,18 @@ static inline __attribute__((always_inline)) __m256i sums_small(const int NW, co
  * (BITS 5: bit j; BITS 6: bits 2j, 2j + 1) moved into bits 4 (and 5) */
 static inline __attribute__((always_inline)) void decode_compact(const int BITS, const uint8_t *c, __m256i w[8]) {
     const __m256i low = _mm256_set1_epi8(15);
-    if (BITS == 5) {
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(c + 256)), b4 = _mm256_set1_epi8(0x10);
-        const __m256i h[8] = {_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 3), _mm256_slli_epi16(hb, 2),
-                              _mm256_slli_epi16(hb, 1), hb, _mm256_srli_epi16(hb, 1), _mm256_srli_epi16(hb, 2),
-                              _mm256_srli_epi16(hb, 3)};
-        for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
-            w[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h[j], b4));
-            w[j + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h[j + 4], b4));
-        }
-    } else {
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(c + 128)), b45 = _mm256_set1_epi8(0x30);
-        const __m256i h[4] = {_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 2), hb, _mm256_srli_epi16(hb, 2)};
-        for (int j = 0; j < 2; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
-            w[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h[j], b45));
-            w[j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h[j + 2], b45));
-        }
+    const int J = BITS == 5 ? 4 : 2; /* 64-byte groups of nibbles (this half: 32 bytes of each) */
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(c + 64 * J));
+    const __m256i mask = _mm256_set1_epi8(BITS == 5 ? 0x10 : 0x30);
+    __m256i h[8];
+    for (int j = 0; j < 2 * J; j++) {
+        const int shift = 4 - (BITS - 4) * j; /* as decode_compact512 */
+        h[j] = shift > 0 ? _mm256_slli_epi16(hb, shift) : shift < 0 ? _mm256_srli_epi16(hb, -shift) : hb;
+    }
+    for (int j = 0; j < J; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
+        w[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h[j], mask));
+        w[j + J] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h[j + J], mask));
     }
 }
 
