@@ -9,6 +9,7 @@ import platform
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 from test_quant import assert_rows_are_independent, random_blocks
@@ -95,10 +96,22 @@ def _x16_code(raw, bits: int, g: int, nb: int, gi: int, r: int, e: int) -> int:
     return code | ((high >> (per * (e // 4))) & ((1 << per) - 1)) << 4
 
 
-@pytest.mark.parametrize("kind, bits", [("Q4_1", 4), ("Q6_K", 6), ("Q8_0", 8), ("Q5_0", 5), ("Q5_K", 5)])
+def _x16_scale(table: torch.Tensor, nb: int, gi: int, r: int, g: int, groups: int) -> float:
+    """Scale (or minimum) of group gi, row r of block nb, read from an interleaved table by int8_kernels.c's header:
+    fp32, halves, or sub-scales (a signed byte per group and row, then a half per 256 weights and row)."""
+    if table.dtype != torch.uint8:
+        return float(table[nb, gi, r])
+    raw = table.numpy()[nb]
+    small = int(raw[gi * 16 + r : gi * 16 + r + 1].view(np.int8)[0])
+    at = groups * 16 + (gi * g // 256) * 32 + 2 * r
+    return small * float(raw[at : at + 2].copy().view(np.float16)[0])
+
+
+@pytest.mark.parametrize("kind, bits", [("Q4_1", 4), ("Q6_K", 6), ("Q8_0", 8), ("Q5_0", 5), ("Q5_K", 5),
+                                        ("Q4_K", 4)])  # fmt: skip
 def test_x16_packing_keeps_every_code_scale_and_minimum(kind, bits):
     """The interleaved copy holds the same weight: decode it by its layout (int8_kernels.c's header); 5- and 6-bit
-    types take their compact forms (a nibble plus one or two high bits per code)."""
+    types take their compact forms (a nibble plus one or two high bits per code), the K-quants their sub-scales."""
     qw = from_gguf(kind, random_blocks(kind, 32, 256), 32, 256)
     codes, scale, minv = pack_x16(qw)
     assert qw.x16_bits == bits
@@ -114,8 +127,9 @@ def test_x16_packing_keeps_every_code_scale_and_minimum(kind, bits):
         for k in range(256):
             gi, e = divmod(k, g)
             code = _x16_code(raw, bits, g, nb, gi, r, e)
-            m = -(1 << (bits - 1)) * float(scale[nb, gi, r]) if minv is None else float(minv[nb, gi, r])
-            w[n, k] = float(scale[nb, gi, r]) * code + m
+            d = _x16_scale(scale, nb, gi, r, g, groups)
+            m = -(1 << (bits - 1)) * d if minv is None else _x16_scale(minv, nb, gi, r, g, groups)
+            w[n, k] = d * code + m
     assert torch.allclose(w, qw.dequantize().double(), atol=1e-6), kind
 
 
@@ -276,22 +290,23 @@ def test_a_model_loaded_under_int8_keeps_one_form_of_its_weights():
 
 
 @pytest.mark.usefixtures("int8_activations")
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0->q4", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0->q4", "Q4_K", "Q5_K", "Q6_K"])
 def test_half_scales_give_the_products_of_fp32_scales_bit_for_bit(kind, monkeypatch):
     """Types whose scales are halves in the file (and the 4-bit draft copies) keep them as halves in the
-    interleaved copy: 2 bytes a scale read, widened exactly, so every product equals the fp32-scale one."""
+    interleaved copy, the K-quants as their sub-scales (a byte per group times a half per 256 weights): fewer bytes
+    a scale read, widened exactly, so every product equals the fp32-scale one."""
     source = kind.split("->")[0]
     qw = from_gguf(source, random_blocks(source, 48, 512, seed=8), 48, 512)
     qw = low_bit_copy(qw) if "->" in kind else qw
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
     y = qw.matmul(x)
-    half = kind not in ("Q4_K", "Q6_K")  # K-quant scales are products of a half and a 6-bit integer
-    assert (qw.x16()[1].dtype == torch.float16) == half
-    assert bool(qw.x16_form & quant.X16_SCALE16) == half
+    sub = kind in ("Q4_K", "Q5_K", "Q6_K")  # K-quant scales are products of a half and a 6- or 8-bit integer
+    assert qw.x16()[1].dtype == (torch.uint8 if sub else torch.float16)
+    assert qw.x16_form & (quant.X16_SUB8 if sub else quant.X16_SCALE16)
     monkeypatch.setattr(quant, "_half_scales", lambda *args: False)
+    monkeypatch.setattr(quant, "_SUB_SCALES", False)
     wide = from_gguf(source, random_blocks(source, 48, 512, seed=8), 48, 512)
     wide = low_bit_copy(wide) if "->" in kind else wide
     assert wide.x16()[1].dtype == torch.float32
     assert torch.equal(wide.matmul(x), y)
-    if half:
-        assert wide.step_bytes > qw.step_bytes
+    assert wide.step_bytes > qw.step_bytes

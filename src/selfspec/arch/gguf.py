@@ -13,8 +13,9 @@ key rows, Gemma's norm offset) but never dequantises a tensor it can keep:
 * an untied embedding table (the file has an output tensor of its own) stays in the file as a
   :class:`~selfspec.core.quant.MappedTable` (a read-only memory map whose rows are decoded as they are
   looked up): a step reads one row, so it costs only the pages touched, not a repack held whole;
-* an untied LM head, under int8 activations, is made as its interleaved copy alone (the form the
-  engine keeps of it), so its row form and that copy are never held together;
+* an LM head, under int8 activations, is made as its interleaved copy alone (the form the engine keeps
+  of it; a tied table's lookups decode their rows from it), so its row form and that copy are never held
+  together;
 * norms, biases and tensors of types without a repack are dequantised (the latter with a
   warning naming the type);
 * tensors are read one at a time from the file (no mapping of the whole file stays
@@ -26,6 +27,7 @@ for a 262k-token vocabulary) and cached as a small HF directory without weights.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import warnings
 from pathlib import Path
@@ -228,6 +230,8 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                 mapped = untied and isinstance(module, nn.Embedding)  # looked up a row at a time, never multiplied
                 if module_path == head_path:
                     packed = pack_head and getattr(module, "bias", None) is None
+                elif isinstance(module, nn.Embedding):  # a tied table is the LM head too: its copy serves lookups
+                    packed = not untied and int8_activations()
                 else:
                     packed = pack_layers and type(module) is nn.Linear
                 qw = None if perm is None else _kept(f, kind, shape, offset, nbytes, perm, mapped=mapped, packed=packed)
@@ -248,11 +252,23 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                       stacklevel=2)  # fmt: skip
     _install(hf, quantised)
     _materialise_buffers(hf)
+    _return_free_heap()
     missing = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.device.type == "meta"]
     if missing:
         raise SelfspecError(f"GGUF file {path} has no tensor for {', '.join(missing[:5])}")
     hf.eval()
     return hf, tokenizer, summary
+
+
+def _return_free_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing): the load's
+    temporaries, a few MB each, leave freed pages behind that would stay resident (1.5B model: about 60 MB)."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(ctypes.c_size_t(0))
 
 
 def _name_map(hf: nn.Module, gguf_arch: str, path: Path) -> dict[str, str]:

@@ -31,6 +31,7 @@ DRAFT_VOCAB_ENV = "SELFSPEC_DRAFT_VOCAB"
 BASE_ROWS = 16384  # the lowest ids every draft scores
 MIN_VOCAB = 2 * BASE_ROWS  # smaller vocabularies keep the full head (the subset would save little)
 MAX_SHARE = 0.5  # the subset stops growing at this share of the vocabulary
+ADD_CHUNK = 2048  # rows copied from the head at a time
 
 
 def enabled() -> bool:
@@ -123,11 +124,13 @@ class DraftVocabulary:
         if self.size + len(ids) > self.capacity:
             self._allocate(min(self.limit, max(2 * self.capacity, self.size + len(ids))))
         lo, hi = self.size, self.size + len(ids)
-        codes, scale, minv = self.head.row_slices(ids)  # (from the head's int8 copy where its row form is released)
-        self._codes[lo:hi] = codes
-        self._scale[lo:hi] = scale
-        if self._minv is not None:
-            self._minv[lo:hi] = minv
+        for at in range(0, len(ids), ADD_CHUNK):  # (a few thousand rows at a time: the load's peak stays low)
+            part = ids[at : at + ADD_CHUNK]
+            codes, scale, minv = self.head.row_slices(part)  # (from the head's int8 copy if its rows are released)
+            self._codes[lo + at : lo + at + len(part)] = codes
+            self._scale[lo + at : lo + at + len(part)] = scale
+            if self._minv is not None:
+                self._minv[lo + at : lo + at + len(part)] = minv
         self.ids[lo:hi] = ids
         if self._x16 is not None:
             self._repack(lo, hi)

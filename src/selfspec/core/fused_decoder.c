@@ -42,8 +42,8 @@ typedef struct {
     const void *codes;
     const float *scale, *minv, *bias; /* minv, bias: NULL when absent */
     const uint8_t *x16_codes;         /* int8_kernels.c's interleaved copy, or NULL (fp32 products only) */
-    const void *x16_scale, *x16_min;  /* fp32, or IEEE halves (x16_form & 0x100) */
-    long x16_form; /* bits per code in the interleaved copy (4, 5, 6: compact forms, or 8) | 0x100: half scales */
+    const void *x16_scale, *x16_min;  /* fp32, IEEE halves (x16_form & 0x100) or sub-scales (0x200) */
+    long x16_form; /* bits per code in the interleaved copy (4, 5, 6: compact, or 8) | 0x100 halves, 0x200 sub-scales */
 } qmat;
 
 typedef struct {

@@ -28,6 +28,11 @@
  * fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the 4-bit draft copies, whose scales are rounded to halves): a
  * product's `form` argument is BITS | X16_SCALE16.  Widening a half is exact, so the products are bit for bit those
  * of fp32 scales, from 2 bytes a scale instead of 4 (Q4_1: a sixth of the bytes read; Q8_0: a eighteenth).
+ * The K-quants (Q4_K, Q5_K, Q6_K) store each scale as a small integer (6 bits, Q6_K: 8) times a half per 256
+ * weights: with X16_SUB8 their copies keep that form, a signed byte per group and row, then a half per 256 weights
+ * and row ([groups][16] bytes, then [K / 256][16] halves, per block of 16 rows; minima likewise, with the
+ * minimum's half negated).  Their product is exact in fp32 (at most 8 + 11 significant bits), so the scales are
+ * bit for bit the row form's, from 1.1-1.25 bytes a scale instead of 4 (Q4_K's copy: 4.6 bits a weight, was 6).
  *
  * Row independence (what keeps speculative decoding token-identical): a row of x is quantised on its own, its
  * integer sums are exact, and its float operations run in the same order whatever the number of rows T in
@@ -165,6 +170,10 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
 #define GROUP_BYTES(BITS, G) ((BITS) == 4 ? 256 : (BITS) == 5 ? 320 : (BITS) == 6 ? 192 : (G) * 16)
 #define SYM_MIN(BITS) ((BITS) == 4 ? -8.0f : (BITS) == 5 ? -16.0f : (BITS) == 6 ? -32.0f : -128.0f)
 #define X16_SCALE16 0x100 /* in a product's form: scales and minima are IEEE halves */
+#define X16_SUB8 0x200    /* ... or K-quant sub-scales: a signed byte per group times a half per 256 weights */
+/* A form's scale kind SK: 0 fp32, 1 halves, 2 sub-scales; bytes of one block's table of scales (or minima) */
+#define SCALE_KIND(form) (((form) & X16_SUB8) ? 2 : ((form) & X16_SCALE16) ? 1 : 0)
+#define SCALE_BLOCK_BYTES(SK, groups, K) ((SK) == 2 ? (groups) * 16 + (K) / 256 * 32 : (groups) * 16 * ((SK) ? 2 : 4))
 
 /* An IEEE half widened to a float (exact; the portable path's and the tail's conversion) */
 static inline float half_to_float(uint16_t h) {
@@ -179,17 +188,29 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* Entry i of a table of scales or minima in fp32 or (S16) halves */
-static inline float scale_at(const void *p, long i, int S16) {
-    return S16 ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* The scale (or minimum) of group g, row r of a block's table p of kind SK (the block has `groups` groups of G) */
+static inline float scale_at(const void *p, long g, int r, int SK, long groups, long G) {
+    if (SK == 2) {
+        const uint16_t *d = (const uint16_t *)((const int8_t *)p + groups * 16) + (g * G / 256) * 16;
+        return (float)((const int8_t *)p)[g * 16 + r] * half_to_float(d[r]);
+    }
+    return SK ? half_to_float(((const uint16_t *)p)[g * 16 + r]) : ((const float *)p)[g * 16 + r];
 }
 
 #ifdef SELFSPEC_VNNI
 
-/* 16 scales or minima from i, fp32 or (S16) halves widened by vcvtph2ps */
-static inline __attribute__((always_inline)) __m512 scales16(const void *p, long i, const int S16) {
-    return S16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
-               : _mm512_loadu_ps((const float *)p + i);
+/* The 16 scales or minima of group g (see scale_at): fp32, halves widened by vcvtph2ps, or sub-scales (signed
+ * bytes widened, times their widened half: exact) */
+static inline __attribute__((always_inline)) __m512 scales16(const void *p, long g, const int SK, long groups,
+                                                             long G) {
+    if (SK == 2) {
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p
+                                                                                                   + g * 16))));
+        const uint16_t *d = (const uint16_t *)((const int8_t *)p + groups * 16) + (g * G / 256) * 16;
+        return _mm512_mul_ps(sc, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d)));
+    }
+    return SK ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + g * 16)))
+              : _mm512_loadu_ps((const float *)p + g * 16);
 }
 
 /* A compact group's codes (c: its first byte) as the 64-byte words w[j] (k = 4j + i): the nibbles with the high
@@ -215,7 +236,7 @@ static inline __attribute__((always_inline)) void decode_compact512(const int BI
  * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: the rows' codes [t * K] and block scales
  * [t * K/32]; ds: dx * code sums per weight group [t * K/G]. */
 static inline __attribute__((always_inline)) void block_vnni(const int NB, const int BITS, const long G,
-                                                             const int SYM, const int S16, long K,
+                                                             const int SYM, const int SK, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
                                                              const int32_t *xs, const uint8_t *codes,
                                                              const void *scale,
@@ -232,8 +253,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
          * product is too short a stream for the hardware prefetcher, which alone read the head at 2/3 the speed */
         if (ahead) {
             for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
-            __builtin_prefetch((const char *)scale + (g + ahead) * 16 * (S16 ? 2 : 4), 0, 0);
-            if (!SYM) __builtin_prefetch((const char *)minv + (g + ahead) * 16 * (S16 ? 2 : 4), 0, 0);
+            __builtin_prefetch((const char *)scale + (g + ahead) * 16 * (SK == 2 ? 1 : SK ? 2 : 4), 0, 0);
+            if (!SYM) __builtin_prefetch((const char *)minv + (g + ahead) * 16 * (SK == 2 ? 1 : SK ? 2 : 4), 0, 0);
         }
         __m512i w[8];
         if (BITS == 4) {
@@ -249,9 +270,9 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
             const uint8_t *c = codes + g * G * 16;
             for (int j = 0; j < G / 4; j++) w[j] = _mm512_loadu_si512(c + 64 * j);
         }
-        const __m512 dv = scales16(scale, g * 16, S16);
+        const __m512 dv = scales16(scale, g, SK, groups, G);
         /* symmetric (no stored minimum): -2^(BITS-1) d, exactly the row form's minimum */
-        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : scales16(minv, g * 16, S16);
+        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : scales16(minv, g, SK, groups, G);
         for (int t = 0; t < NB; t++) {
             const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* two chains: integer sums are */
@@ -296,10 +317,17 @@ static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const
     return _mm256_add_epi32(s, _mm256_set1_epi32(128 * xsum)); /* back to the codes + 128 */
 }
 
-/* 8 scales or minima from i, fp32 or (S16) halves widened by vcvtph2ps (F16C) */
-static inline __attribute__((always_inline)) __m256 scales8(const void *p, long i, const int S16) {
-    return S16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
-               : _mm256_loadu_ps((const float *)p + i);
+/* The 8 scales or minima of rows 8h..8h+7 of group g, as scales16 (halves widened by F16C's vcvtph2ps) */
+static inline __attribute__((always_inline)) __m256 scales8(const void *p, long g, int h, const int SK, long groups,
+                                                            long G) {
+    if (SK == 2) {
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p
+                                                                                                   + g * 16 + 8 * h))));
+        const uint16_t *d = (const uint16_t *)((const int8_t *)p + groups * 16) + (g * G / 256) * 16 + 8 * h;
+        return _mm256_mul_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
+    }
+    return SK ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + g * 16 + 8 * h)))
+              : _mm256_loadu_ps((const float *)p + g * 16 + 8 * h);
 }
 
 /* The same for 5- and 6-bit codes (0..63) in NW words w[NW]: pair products reach 16,002, so two words add in int16 */
@@ -345,7 +373,7 @@ static inline __attribute__((always_inline)) void decode_compact(const int BITS,
  * vpdpbusd's, and each lane's float operations are block_vnni's in the same order, so the products are
  * bit-identical. */
 static inline __attribute__((always_inline)) void block_avx2(const int NB, const int BITS, const long G,
-                                                             const int SYM, const int S16, long K,
+                                                             const int SYM, const int SK, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
                                                              const int32_t *xs, const uint8_t *codes,
                                                              const void *scale,
@@ -362,8 +390,9 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                 for (long b = 0; b < group_bytes; b += 64)
                     __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
             const uint8_t *c = codes + g * group_bytes + 32 * h;
-            const __m256 dv = scales8(scale, g * 16 + 8 * h, S16);
-            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(SYM_MIN(BITS))) : scales8(minv, g * 16 + 8 * h, S16);
+            const __m256 dv = scales8(scale, g, h, SK, groups, G);
+            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(SYM_MIN(BITS)))
+                                  : scales8(minv, g, h, SK, groups, G);
             __m256i w[8];
             if (BITS == 4)
                 for (int j = 0; j < 4; j++) {
@@ -404,32 +433,32 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
 #endif
 
 /* rows t0.. of x (NB of them) against one block, for one (BITS, G) */
-#define BLOCK(NB, BITS, G, SYM, S16) \
-    BLOCK_KERNEL(NB, BITS, G, SYM, S16, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
+#define BLOCK(NB, BITS, G, SYM, SK) \
+    BLOCK_KERNEL(NB, BITS, G, SYM, SK, K, x->q + t0 * K, x->dx + t0 * (K / 32), \
                  ((G) == 32 ? x->ds32 + t0 * (K / 32) : x->ds16 + t0 * (K / 16)), x->xs16 + t0 * (K / 16), c, s, \
                  m, bb, yb + t0 * N, N)
 
 /* All T rows of x against one block of 16 output rows, in runs of up to BLOCK_RUN rows */
-#define BLOCK_ROWS(BITS, G, SYM, S16)                                                  \
+#define BLOCK_ROWS(BITS, G, SYM, SK)                                                  \
     do {                                                                               \
         long t0 = 0;                                                                   \
-        for (; t0 + BLOCK_RUN <= T; t0 += BLOCK_RUN) BLOCK(BLOCK_RUN, BITS, G, SYM, S16); \
+        for (; t0 + BLOCK_RUN <= T; t0 += BLOCK_RUN) BLOCK(BLOCK_RUN, BITS, G, SYM, SK); \
         switch (T - t0) {                                                              \
-            case 7: BLOCK(7, BITS, G, SYM, S16); break;                                \
-            case 6: BLOCK(6, BITS, G, SYM, S16); break;                                \
-            case 5: BLOCK(5, BITS, G, SYM, S16); break;                                \
-            case 4: BLOCK(4, BITS, G, SYM, S16); break;                                \
-            case 3: BLOCK(3, BITS, G, SYM, S16); break;                                \
-            case 2: BLOCK(2, BITS, G, SYM, S16); break;                                \
-            case 1: BLOCK(1, BITS, G, SYM, S16); break;                                \
+            case 7: BLOCK(7, BITS, G, SYM, SK); break;                                \
+            case 6: BLOCK(6, BITS, G, SYM, SK); break;                                \
+            case 5: BLOCK(5, BITS, G, SYM, SK); break;                                \
+            case 4: BLOCK(4, BITS, G, SYM, SK); break;                                \
+            case 3: BLOCK(3, BITS, G, SYM, SK); break;                                \
+            case 2: BLOCK(2, BITS, G, SYM, SK); break;                                \
+            case 1: BLOCK(1, BITS, G, SYM, SK); break;                                \
             default: break;                                                            \
         }                                                                              \
     } while (0)
 
-/* The same for a form that may hold its scales as halves (s16) or fp32 */
+/* The same for a form that may hold its scales as halves or fp32 (sk 1 or 0) */
 #define BLOCK_ROWS_S16(BITS, G, SYM)       \
     do {                                   \
-        if (s16)                           \
+        if (sk)                            \
             BLOCK_ROWS(BITS, G, SYM, 1);   \
         else                               \
             BLOCK_ROWS(BITS, G, SYM, 0);   \
@@ -437,7 +466,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
 #endif
 
 /* The portable form of the same arithmetic (one row of x at a time) */
-static void block_portable(int bits, int s16, long K, long G, const int8_t *xq, const float *dx, const float *ds16,
+static void block_portable(int bits, int sk, long K, long G, const int8_t *xq, const float *dx, const float *ds16,
                            const float *ds32, const uint8_t *codes, const void *scale, const void *minv,
                            const float *bias, float *y) {
     float acc[16] = {0};
@@ -464,9 +493,9 @@ static void block_portable(int bits, int s16, long K, long G, const int8_t *xq, 
                 }
         const float dxg = dx[(g * G) / 32], dsg = G == 32 ? ds32[g] : ds16[g];
         for (int r = 0; r < 16; r++) {
-            const float d = scale_at(scale, g * 16 + r, s16);
+            const float d = scale_at(scale, g, r, sk, K / G, G);
             acc[r] = fmaf((float)s[r], d * dxg, acc[r]);
-            acc[r] = fmaf(minv ? scale_at(minv, g * 16 + r, s16) : SYM_MIN(bits) * d, dsg, acc[r]);
+            acc[r] = fmaf(minv ? scale_at(minv, g, r, sk, K / G, G) : SYM_MIN(bits) * d, dsg, acc[r]);
         }
     }
     for (int r = 0; r < 16; r++) y[r] = bias ? acc[r] + bias[r] : acc[r];
@@ -476,17 +505,23 @@ static void block_portable(int bits, int s16, long K, long G, const int8_t *xq, 
  * quantised; inside a parallel region that every thread enters, no barrier at the end. */
 static void linear_x16_ws(int form, long T, long N, long K, long G, const qrows *x, const uint8_t *codes,
                           const void *scale, const void *minv, const float *bias, float *y) {
-    const int bits = form & 0xff, s16 = (form & X16_SCALE16) != 0;
-    const long groups = K / G, block_bytes = groups * GROUP_BYTES(bits, G), esize = s16 ? 2 : 4;
+    const int bits = form & 0xff, sk = SCALE_KIND(form);
+    const long groups = K / G, block_bytes = groups * GROUP_BYTES(bits, G), table = SCALE_BLOCK_BYTES(sk, groups, K);
 #pragma omp for schedule(static) nowait
     for (long nb = 0; nb < N / 16; nb++) {
         const uint8_t *c = codes + nb * block_bytes;
-        const void *s = (const char *)scale + nb * groups * 16 * esize;
-        const void *m = minv ? (const char *)minv + nb * groups * 16 * esize : NULL;
+        const void *s = (const char *)scale + nb * table;
+        const void *m = minv ? (const char *)minv + nb * table : NULL;
         const float *bb = bias ? bias + nb * 16 : NULL;
 #if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
         float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
-        if (bits == 4 && m)
+        if (sk == 2 && bits == 4)
+            BLOCK_ROWS(4, 32, 0, 2); /* sub-scales: the K-quants' forms (Q4_K, Q5_K with minima; Q6_K without) */
+        else if (sk == 2 && bits == 5)
+            BLOCK_ROWS(5, 32, 0, 2);
+        else if (sk == 2)
+            BLOCK_ROWS(6, 16, 1, 2);
+        else if (bits == 4 && m)
             BLOCK_ROWS_S16(4, 32, 0);
         else if (bits == 4)
             BLOCK_ROWS_S16(4, 32, 1);
@@ -506,7 +541,7 @@ static void linear_x16_ws(int form, long T, long N, long K, long G, const qrows 
             BLOCK_ROWS(8, 16, 1, 0);
 #else
         for (long t = 0; t < T; t++)
-            block_portable(bits, s16, K, G, x->q + t * K, x->dx + t * (K / 32), x->ds16 + t * (K / 16),
+            block_portable(bits, sk, K, G, x->q + t * K, x->dx + t * (K / 32), x->ds16 + t * (K / 16),
                            x->ds32 + t * (K / 32), c, s, m, bb, y + t * N + nb * 16);
 #endif
     }

@@ -393,11 +393,22 @@ _COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
 # GGUF types whose scales (and minima) are IEEE halves in the file: their interleaved copies keep them so (exactly)
 HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 X16_SCALE16 = 0x100  # int8_kernels.c: a product's form = bits per code | this flag for half scales
+# The K-quants' scales are small integers times a half per 256 weights: their interleaved copies keep that form
+# (int8_kernels.c's X16_SUB8: a signed byte per group, a half per 256 weights; exact), 1.1-1.25 bytes a scale
+SUB_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+X16_SUB8 = 0x200
+SUB_SCALES_ENV = "SELFSPEC_SUB_SCALES"  # 0: the K-quants' copies hold fp32 scales (A/B)
+_SUB_SCALES = os.environ.get(SUB_SCALES_ENV, "1").strip() != "0"
 
 
 def compact_codes() -> bool:
     """Whether 5- and 6-bit codes take their own width in the interleaved copy (default; see COMPACT_ENV)."""
     return _COMPACT
+
+
+def sub_scales() -> bool:
+    """Whether the K-quants' interleaved copies keep their scales as sub-scales (default; see SUB_SCALES_ENV)."""
+    return _SUB_SCALES
 
 
 def x16_bits(fmt: str, source: str, group: int, minima: bool) -> int:
@@ -480,6 +491,7 @@ class QuantWeight:
         if packed is None or (self.x16_bits == 8 and self._minv is not None):
             return False
         self._codes = self._scale = self._minv = None
+        self.__dict__.pop("_sub", None)  # (the copy holds it)
         self._released = True
         self.__dict__.pop("_bound", None)  # pointers into the row form
         return True
@@ -506,9 +518,9 @@ class QuantWeight:
             else:
                 self._codes = torch.from_numpy((raw ^ np.uint8(0x80)).view(np.int8).reshape(n, k))
 
-        def unpack(t: torch.Tensor) -> torch.Tensor:  # (half scales widen exactly)
-            return torch.from_numpy(np.ascontiguousarray(t.numpy().transpose(0, 2, 1), dtype=np.float32).reshape(n,
-                                                                                                       groups))
+        def unpack(t: torch.Tensor) -> torch.Tensor:  # (half scales and sub-scales widen exactly)
+            table = _x16_table(t, groups, g, k)
+            return torch.from_numpy(np.ascontiguousarray(table.transpose(0, 2, 1)).reshape(n, groups))
 
         self._scale = unpack(scale)
         self._minv = None if minv is None else unpack(minv)
@@ -533,7 +545,10 @@ class QuantWeight:
         bits = self.x16_bits if int8_activations() and self.out_features % 16 == 0 else (4 if self.fmt == "q4" else 8)
         codes = self.out_features * self.in_features * bits // 8
         half = int8_activations() and _half_scales(self, bits, not self.has_minima)  # (as pack_x16 will hold it)
-        return codes + (2 if half else 4) * groups * (2 if self.has_minima else 1)
+        per = 2 if half else 4
+        if int8_activations() and self.__dict__.get("_sub") is not None and _sub_scale_form(self, bits):
+            per = 1 + 2 * self.group / 256  # a byte per group, a half per 256 weights
+        return codes + int(per * groups) * (2 if self.has_minima else 1)
 
     @property
     def has_minima(self) -> bool:
@@ -555,10 +570,11 @@ class QuantWeight:
 
     @property
     def x16_form(self) -> int:
-        """The interleaved copy's form for the kernels: bits per code, | X16_SCALE16 where its scales are halves."""
+        """The interleaved copy's form for the kernels: bits per code, | X16_SCALE16 where its scales are halves,
+        | X16_SUB8 where they are a K-quant's sub-scales."""
         packed = self.x16()
-        half = packed is not None and packed[1].dtype == torch.float16
-        return self.x16_bits | (X16_SCALE16 if half else 0)
+        kind = None if packed is None else packed[1].dtype
+        return self.x16_bits | {torch.float16: X16_SCALE16, torch.uint8: X16_SUB8}.get(kind, 0)
 
     @property
     def form_label(self) -> str:
@@ -566,8 +582,9 @@ class QuantWeight:
         copy's bits per code with ``h`` for half scales (``q5h/32``: Q5_0's compact codes and half scales)."""
         if not (int8_activations() and self.x16() is not None):
             return f"{self.fmt}/{self.group}"
-        half = "h" if self.x16_form & X16_SCALE16 else ""
-        return f"q{self.x16_bits}{half}/{self.group}"
+        form = self.x16_form
+        kind = "h" if form & X16_SCALE16 else "k" if form & X16_SUB8 else ""
+        return f"q{self.x16_bits}{kind}/{self.group}"
 
     def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The interleaved copy ``int8_kernels.c`` multiplies (codes, scale, minimum), made on first use; None
@@ -669,7 +686,8 @@ class QuantWeight:
             raw = raw.reshape(len(n), -1)
             if self.fmt == "q8":
                 raw = (raw ^ np.uint8(0x80)).view(np.int8)
-        pick = lambda t: torch.from_numpy(np.ascontiguousarray(t.numpy()[block, :, r], dtype=np.float32))  # noqa: E731
+        pick = lambda t: torch.from_numpy(_x16_table_rows(t, groups, self.group, self.in_features,  # noqa: E731
+                                                          block, r))
         if minv is None and self.fmt == "q4":  # symmetric: -8 d
             return torch.from_numpy(raw), pick(scale), pick(scale) * np.float32(-8)
         return torch.from_numpy(raw), pick(scale), None if minv is None else pick(minv)
@@ -700,9 +718,13 @@ class QuantWeight:
     def permute_rows(self, perm: np.ndarray) -> QuantWeight:
         """The same weight with its output rows reordered (``new[i] = old[perm[i]]``)."""
         p = torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
-        return QuantWeight(self.fmt, self.out_features, self.in_features, self.group, self.codes[p].contiguous(),
-                           self.scale[p].contiguous(), None if self.minv is None else self.minv[p].contiguous(),
-                           self.source, self.symmetric)  # fmt: skip
+        w = QuantWeight(self.fmt, self.out_features, self.in_features, self.group, self.codes[p].contiguous(),
+                        self.scale[p].contiguous(), None if self.minv is None else self.minv[p].contiguous(),
+                        self.source, self.symmetric)  # fmt: skip
+        sub = self.__dict__.get("_sub")
+        if sub is not None:
+            w.__dict__["_sub"] = tuple(None if a is None else np.ascontiguousarray(a[perm]) for a in sub)
+        return w
 
 
 def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -730,6 +752,10 @@ def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     minv = None if sym else w.minv.numpy().reshape(n // 16, 16, groups)
     if minv is not None and bits == 8:
         minv = minv - np.float32(128) * scale
+    sub = w.__dict__.get("_sub")
+    if sub is not None and _sub_scale_form(w, bits):
+        return torch.from_numpy(codes.reshape(-1)), _sub_table(sub[0], sub[1], g), (
+            None if sym else _sub_table(sub[2], sub[3], g))  # fmt: skip
     tables = [t for t in (scale, minv) if t is not None]
     dtype = np.float16 if _half_scales(w, bits, sym) and all(_halves_exact(t) for t in tables) else np.float32
     scale_out, minv_out = (None if t is None else torch.from_numpy(np.ascontiguousarray(t.transpose(0, 2, 1),
@@ -743,6 +769,48 @@ def _half_scales(w: QuantWeight, bits: int, sym: bool) -> bool:
     draft copy, whose scales are rounded to halves), in a form the kernels take them for."""
     kind = w.source in HALF_SCALE_TYPES or (w.fmt == "q4" and w.symmetric and w.source.endswith("->q4"))
     return kind and bits in (4, 5, 8) and (sym or bits != 8)
+
+
+def _sub_scale_form(w: QuantWeight, bits: int) -> bool:
+    """Whether the interleaved copy of ``w`` may hold its scales as sub-scales (X16_SUB8): a K-quant whose copy's
+    codes take 4-6 bits (not the byte form), rows of whole 256-weight blocks."""
+    return _SUB_SCALES and w.source in SUB_SCALE_TYPES and bits in (4, 5, 6) and w.in_features % 256 == 0
+
+
+def _sub_table(small: np.ndarray, halves: np.ndarray, group: int) -> torch.Tensor:
+    """A K-quant's scales (or minima) as the kernels' sub-scale table, ``uint8 [out/16, groups * 16 + K/256 * 32]``:
+    per block of 16 rows the signed bytes ``[groups][16]``, then the halves ``[K/256][16]`` (int8_kernels.c)."""
+    n, groups = small.shape
+    per = small.reshape(n // 16, 16, groups).transpose(0, 2, 1).reshape(n // 16, -1).view(np.uint8)
+    wide = halves.reshape(n // 16, 16, -1).transpose(0, 2, 1).astype(np.float16).reshape(n // 16, -1).view(np.uint8)
+    return torch.from_numpy(np.concatenate([per, wide], axis=1))
+
+
+def _x16_table(t: torch.Tensor, groups: int, group: int, in_features: int) -> np.ndarray:
+    """An interleaved copy's table of scales or minima (fp32, halves or sub-scales) as fp32 ``[out/16, groups,
+    16]``, exactly (a sub-scale's byte times its half is exact in fp32)."""
+    a = t.numpy()
+    if a.dtype != np.uint8:
+        return a.astype(np.float32)
+    blocks = a.shape[0]
+    small = a[:, : groups * 16].view(np.int8).reshape(blocks, groups, 16).astype(np.float32)
+    halves = a[:, groups * 16 :].copy().view(np.float16).reshape(blocks, in_features // 256, 16).astype(np.float32)
+    return small * np.repeat(halves, 256 // group, axis=1)
+
+
+def _x16_table_rows(t: torch.Tensor, groups: int, group: int, in_features: int, block: np.ndarray,
+                    r: np.ndarray) -> np.ndarray:  # fmt: skip
+    """The rows (block ``block``, row ``r`` within it) of an interleaved copy's table as fp32 ``[rows, groups]``
+    (what :func:`_x16_table` holds for them, without decoding whole blocks)."""
+    a = t.numpy()
+    if a.dtype != np.uint8:
+        return a[block, :, r].astype(np.float32)
+    at = np.arange(groups) * 16
+    small = a.view(np.int8)[block[:, None], at[None, :] + r[:, None]].astype(np.float32)
+    super_of = groups * 16 + np.arange(groups) * group // 256 * 32  # each group's half: its 256 weights', row r
+    lo = a[block[:, None], super_of[None, :] + 2 * r[:, None]].astype(np.uint16)
+    hi = a[block[:, None], super_of[None, :] + 2 * r[:, None] + 1].astype(np.uint16)
+    return small * (lo | hi << 8).view(np.float16).astype(np.float32)
 
 
 def _halves_exact(t: np.ndarray) -> bool:
@@ -808,6 +876,29 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     """4 bytes (little-endian u32, bit j for element j) -> 32 bits."""
     bits = np.ascontiguousarray(qh).view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
     return (bits & 1).astype(np.uint8)
+
+
+def k_sub_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """A K-quant's scales as they are stored, per 256-weight block: (signed bytes [blocks, groups], half [blocks],
+    and for the types with minima the minima's bytes and their half negated), with scale = half * byte and minimum
+    = negated half * byte exactly as :func:`_repack` computes them; None for other types."""
+    if kind in ("Q4_K", "Q5_K"):
+        from gguf.quants import Q4_K
+
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        d, dmin = blocks[:, :2].copy().view(np.float16), blocks[:, 2:4].copy().view(np.float16)
+        return sc.astype(np.int8).reshape(len(blocks), 8), d.reshape(-1), m.astype(np.int8).reshape(len(blocks), 8), \
+            -dmin.reshape(-1)  # fmt: skip
+    if kind == "Q6_K":
+        sc, d = blocks[:, 192:208].copy().view(np.int8), blocks[:, 208:210].copy().view(np.float16).reshape(-1)
+        return sc, d, None, None
+    return None
+
+
+def _row_sub_scales(kind: str, blocks: np.ndarray, rows: int) -> tuple[np.ndarray | None, ...] | None:
+    """:func:`k_sub_scales` of ``rows`` whole rows of blocks, per row: ([rows, groups], [rows, K/256], ...)."""
+    sub = k_sub_scales(kind, blocks) if _SUB_SCALES else None
+    return None if sub is None else tuple(None if a is None else a.reshape(rows, -1) for a in sub)
 
 
 def _repack(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -890,9 +981,12 @@ def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: b
                                max(16, step // 16 * 16))  # fmt: skip
         if qw is not None:
             return qw
+    subs = []
     for r0 in range(0, n, step):
         rows = min(step, n - r0)
-        fmt, group, c, sc, mn = _repack(kind, read(r0, rows).reshape(-1, size))
+        blocks = read(r0, rows).reshape(-1, size)
+        fmt, group, c, sc, mn = _repack(kind, blocks)
+        subs.append(_row_sub_scales(kind, blocks, rows))
         if codes is None:  # the outputs, allocated once
             codes = np.empty((n, c.size // rows), dtype=c.dtype)
             scale = np.empty((n, sc.size // rows), dtype=np.float32)
@@ -901,8 +995,11 @@ def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: b
         scale[r0 : r0 + rows] = sc.reshape(rows, -1)
         if minv is not None:
             minv[r0 : r0 + rows] = mn.reshape(rows, -1)
-    return QuantWeight(fmt, out_features, in_features, group, torch.from_numpy(codes), torch.from_numpy(scale),
-                       None if minv is None else torch.from_numpy(minv), kind)  # fmt: skip
+    qw = QuantWeight(fmt, out_features, in_features, group, torch.from_numpy(codes), torch.from_numpy(scale),
+                     None if minv is None else torch.from_numpy(minv), kind)  # fmt: skip
+    if subs[0] is not None:  # a K-quant's stored scales, for its interleaved copy (pack_x16)
+        qw.__dict__["_sub"] = tuple(None if a[0] is None else np.concatenate(a) for a in zip(*subs, strict=True))
+    return qw
 
 
 def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight | None:
@@ -913,13 +1010,16 @@ def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight
     fmt, group = "", 0
     for r0 in range(0, n, step):
         rows = min(step, n - r0)
-        fmt, group, c, sc, mn = _repack(kind, read(r0, rows))
+        blocks = read(r0, rows)
+        fmt, group, c, sc, mn = _repack(kind, blocks)
         bits = x16_bits(fmt, kind, group, mn is not None)
         if bits == 8 and mn is not None:
             return None
         c, sc, mn = (None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
                      for a in (c, sc, mn))  # fmt: skip
-        part = pack_x16(QuantWeight(fmt, rows, k, group, c, sc, mn, kind))
+        piece = QuantWeight(fmt, rows, k, group, c, sc, mn, kind)
+        piece.__dict__["_sub"] = _row_sub_scales(kind, blocks, rows)
+        part = pack_x16(piece)
         if whole and part[1].dtype != whole[1].dtype:  # one piece's scales not all halves: pack it whole instead
             return None
         per = [None if p is None else p.numel() // (rows // 16) for p in part]  # elements per block of 16 rows
@@ -929,7 +1029,7 @@ def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight
             if out is not None:
                 out[r0 // 16 * m : (r0 + rows) // 16 * m] = p.reshape(-1)
     codes, scale, minv = whole
-    blocks = (n // 16, k // group, 16)
+    blocks = (n // 16, k // group, 16) if scale.dtype != torch.uint8 else (n // 16, -1)  # (sub-scales: flat)
     return QuantWeight.from_x16(fmt, n, k, group, (codes, scale.reshape(blocks), None if minv is None else
                                                    minv.reshape(blocks)), kind, bits)  # fmt: skip
 

@@ -86,6 +86,7 @@ class Engine:
         # which code computes a pass (the cost profile's cache key: another build of the native code costs anew)
         self.path_signature = quant.library_path().stem if self._fused is not None else "modules"
         self.path_signature += "" if quant.compact_codes() else "+byte-codes"  # another weight form, other costs
+        self.path_signature += "" if quant.sub_scales() else "+fp32-k-scales"
         head = adapter.quantized_head()
         self.draft_vocab = None  # drafts score a growing subset of the head's rows (core/draft_vocab.py)
         if head is not None and draft_vocab.enabled() and head.out_features >= draft_vocab.MIN_VOCAB:
