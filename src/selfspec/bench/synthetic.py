@@ -1,0 +1,178 @@
+"""GGUF files of a real model's shape and quantisation mix with random weights: the engine's speed and memory at
+sizes this machine has no file of (1-8B), with no download.
+
+The codes are random and the scales small, so a synthetic model's text is noise: use it for timing (``selfspec
+kernels --model FILE --compare-llama-cpp DIR``, which runs llama.cpp's ``llama-bench`` on the same file) and for
+peak memory, never for acceptance or output quality. The tokenizer, chat template and every other metadata
+entry are copied from a GGUF file of the same family (``--like``: a qwen2 file for the Qwen2.5 shapes, a llama
+one such as the built-in SmolLM2's for the Llama shapes; the vocabulary is the donor's). Tensor types follow
+llama.cpp's Q4_K_M recipe (Q6_K for the tied embedding / head and for ``attn_v`` and ``ffn_down`` of the first
+and last eighth of the layers and every third in between, Q4_K elsewhere).
+
+Run: ``python -m selfspec.bench.synthetic --shape qwen2.5-1.5b --out /tmp/qwen-1.5b.gguf`` (``--like`` defaults
+to the built-in model of the family: ``selfspec models install qwen2.5-coder-0.5b`` for the Qwen2.5 shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's dimensions (``arch`` qwen2: q/k/v biases; llama: none), tied embedding where ``tied``;
+    ``vocab`` None: the donor file's."""
+
+    arch: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    tied: bool
+
+
+SHAPES = {
+    "qwen2.5-1.5b": Shape("qwen2", layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, tied=True),
+    "qwen2.5-3b": Shape("qwen2", layers=36, hidden=2048, ffn=11008, heads=16, kv_heads=2, tied=True),
+    "qwen2.5-7b": Shape("qwen2", layers=28, hidden=3584, ffn=18944, heads=28, kv_heads=4, tied=False),
+    "llama-3.2-1b": Shape("llama", layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, tied=True),
+    "llama-3.2-3b": Shape("llama", layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, tied=True),
+}
+DEFAULT_DONOR = {"qwen2": "qwen2.5-coder-0.5b", "llama": "smollm2-135m"}  # built-in models of each family
+
+_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # per 256 weights
+_SCALE_AT = {"Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's fp16 scales
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's Q4_K_M rule for attn_v / ffn_down: Q6_K in the first and last eighth and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _random_blocks(rng: np.random.Generator, kind: str, rows: int, cols: int, scale: float) -> np.ndarray:
+    """Random codes of ``rows`` x ``cols`` weights as ``kind`` blocks, every block scale a small positive half."""
+    if cols % 256:
+        raise InvalidInputError(f"{kind} needs rows of a multiple of 256 weights, got {cols}")
+    per_row = cols // 256 * _BLOCK_BYTES[kind]
+    data = rng.integers(0, 256, size=(rows * cols // 256, _BLOCK_BYTES[kind]), dtype=np.uint8)
+    halves = (scale * (0.5 + rng.random((data.shape[0], len(_SCALE_AT[kind]))))).astype(np.float16)
+    for i, at in enumerate(_SCALE_AT[kind]):
+        data[:, at : at + 2] = halves[:, i : i + 1].view(np.uint8)
+    return data.reshape(rows, per_row)
+
+
+def _tensors(shape: Shape, vocab: int, rng: np.random.Generator):
+    """(name, array, raw ggml type name or None for f32) of every tensor, in llama.cpp's order."""
+    h, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
+    embed = "Q6_K" if shape.tied else "Q4_K"
+    yield "token_embd.weight", _random_blocks(rng, embed, vocab, h, 2e-5), embed
+    for i in range(shape.layers):
+        big = "Q6_K" if _more_bits(i, shape.layers) else "Q4_K"
+        yield f"blk.{i}.attn_norm.weight", np.ones(h, np.float32), None
+        for name, rows, cols, kind in (("attn_q", h, h, "Q4_K"), ("attn_k", kv, h, "Q4_K"), ("attn_v", kv, h, big),
+                                       ("attn_output", h, h, "Q4_K"), ("ffn_gate", shape.ffn, h, "Q4_K"),
+                                       ("ffn_up", shape.ffn, h, "Q4_K"), ("ffn_down", h, shape.ffn, big)):  # fmt: skip
+            yield f"blk.{i}.{name}.weight", _random_blocks(rng, kind, rows, cols, 1e-4), kind
+            if shape.arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                yield f"blk.{i}.{name}.bias", (0.01 * rng.standard_normal(rows)).astype(np.float32), None
+        yield f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32), None
+    yield "output_norm.weight", np.ones(h, np.float32), None
+    if not shape.tied:
+        yield "output.weight", _random_blocks(rng, "Q6_K", vocab, h, 2e-5), "Q6_K"
+
+
+def _copy_metadata(writer, reader, shape: Shape, name: str) -> None:
+    """Every key/value of the donor file (a ``GGUFReader``) but its dimensions (the tokenizer and chat template
+    carry over)."""
+    from gguf import GGUFValueType
+
+    arch = shape.arch
+    head_dim = shape.hidden // shape.heads
+    dims = {f"{arch}.block_count": shape.layers, f"{arch}.embedding_length": shape.hidden,
+            f"{arch}.feed_forward_length": shape.ffn, f"{arch}.attention.head_count": shape.heads,
+            f"{arch}.attention.head_count_kv": shape.kv_heads, f"{arch}.rope.dimension_count": head_dim,
+            f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}  # fmt: skip
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        kind = field.types[0]
+        if key in dims:
+            writer.add_uint32(key, dims[key])
+        elif key == "general.name":
+            writer.add_string(key, f"synthetic {name} (random weights)")
+        elif key == "general.file_type":
+            writer.add_uint32(key, 15)  # MOSTLY_Q4_K_M
+        elif kind == GGUFValueType.ARRAY:
+            sub = field.types[1]
+            values = [str(bytes(field.parts[i]), "utf-8") if sub == GGUFValueType.STRING else field.parts[i][0].item()
+                      for i in field.data]  # fmt: skip
+            writer.add_array(key, values)
+        elif kind == GGUFValueType.STRING:
+            writer.add_string(key, str(bytes(field.parts[field.data[0]]), "utf-8"))
+        else:
+            writer.add_key_value(key, field.parts[field.data[0]][0].item(), kind)
+
+
+def write_synthetic(shape: str | Shape, out: Path, like: Path | None = None, seed: int = 0) -> Path:
+    """Write the synthetic GGUF of ``shape`` (a key of :data:`SHAPES`, or a :class:`Shape`) to ``out``, its
+    tokenizer from ``like`` (default: the built-in model of its family); returns ``out``."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise InvalidInputError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+        name, shape = shape, SHAPES[shape]
+    else:
+        name = f"{shape.arch}-{shape.layers}x{shape.hidden}"
+    reader = GGUFReader(like if like is not None else _donor(shape.arch))
+    donor_arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    if donor_arch != shape.arch:
+        raise InvalidInputError(f"shape {name} needs a {shape.arch} GGUF file to copy the tokenizer from; "
+                                f"{like} holds {donor_arch}")  # fmt: skip
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    writer = GGUFWriter(str(out), shape.arch)
+    _copy_metadata(writer, reader, shape, name)
+    rng = np.random.default_rng(seed)
+    for name, array, kind in _tensors(shape, vocab, rng):
+        if kind is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, array, raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+    return out
+
+
+def _donor(arch: str) -> Path:
+    """The built-in model's GGUF file of family ``arch`` (its tokenizer is copied)."""
+    from ..model.models import BUILTINS, _builtin_gguf
+
+    builtin = BUILTINS[DEFAULT_DONOR[arch]]
+    if not builtin.installed():
+        raise InvalidInputError(f"no {arch} GGUF file to copy a tokenizer from: pass --like FILE or run `selfspec "
+                                f"models install {builtin.name}`")  # fmt: skip
+    return _builtin_gguf(builtin)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--like", type=Path, help="a GGUF file of the shape's family whose tokenizer is copied "
+                        "(default: the built-in model of that family)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(write_synthetic(args.shape, args.out, args.like, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Synthetic GGUF files (bench/synthetic.py): a real family's layout with random Q4_K_M weights loads and runs as
+any file does, with the K-quants' sub-scales, a tied table held as the head's interleaved copy alone, and the
+central invariant (greedy drafts give vanilla's tokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import selfspec
+from selfspec.bench.synthetic import SHAPES, Shape, write_synthetic
+from selfspec.core import quant
+from selfspec.core.quant import activations
+from selfspec.errors import InvalidInputError
+
+TINY = Shape("llama", layers=3, hidden=256, ffn=512, heads=4, kv_heads=2, tied=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    return write_synthetic(TINY, tmp_path_factory.mktemp("synthetic") / "tiny.gguf", seed=3)
+
+
+def test_a_synthetic_file_has_the_q4_k_m_recipe(tiny_file):
+    from gguf import GGUFReader
+
+    reader = GGUFReader(tiny_file)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["token_embd.weight"] == "Q6_K"  # tied: llama.cpp gives the table the head's type
+    assert kinds["blk.2.ffn_down.weight"] == "Q6_K" and kinds["blk.1.ffn_down.weight"] == "Q4_K"  # the last eighth
+    assert kinds["blk.1.attn_q.weight"] == "Q4_K"
+    assert int(reader.fields["llama.block_count"].parts[-1][0]) == TINY.layers
+    assert "tokenizer.ggml.tokens" in reader.fields  # the donor's tokenizer (the built-in SmolLM2's)
+
+
+def test_unknown_shapes_and_foreign_donors_are_refused(tmp_path, tiny_file):
+    with pytest.raises(InvalidInputError, match="unknown shape"):
+        write_synthetic("qwen9-1t", tmp_path / "x.gguf")
+    with pytest.raises(InvalidInputError, match="needs a qwen2 GGUF"):
+        write_synthetic(SHAPES["qwen2.5-1.5b"], tmp_path / "x.gguf", like=tiny_file)
+
+
+def test_a_synthetic_model_decodes_losslessly_with_sub_scales(tiny_file):
+    with activations("int8"):
+        model = selfspec.load(str(tiny_file))
+        layer = model.hf.model.layers[0].mlp.gate_proj.qweight
+        assert layer.x16_form & quant.X16_SUB8 and layer.form_label == "q4k/32"
+        head = model.adapter.quantized_head()
+        assert head.rows_released and head.x16_form & quant.X16_SUB8  # the tied table: its copy alone
+        ids = torch.tensor([1, 50, 700, 4000])
+        embed = model.hf.get_input_embeddings()
+        rows = embed.qweight.rows(ids)  # lookups decode the copy's rows: bit for bit the table's
+        head.restore_rows()
+        assert torch.equal(rows, head.rows(ids))
+        prompt = "Write a short story about a robot."
+        plain = selfspec.generate(model, prompt, "vanilla", max_new_tokens=24)
+        drafted = selfspec.generate(model, prompt, "asd", max_new_tokens=24, preset="paper", draft_length=3)
+    assert drafted.stats.drafted > 0
+    assert drafted.token_ids == plain.token_ids
