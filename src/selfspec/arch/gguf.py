@@ -27,7 +27,6 @@ for a 262k-token vocabulary) and cached as a small HF directory without weights.
 
 from __future__ import annotations
 
-import ctypes
 import struct
 import warnings
 from pathlib import Path
@@ -252,23 +251,11 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                       stacklevel=2)  # fmt: skip
     _install(hf, quantised)
     _materialise_buffers(hf)
-    _return_free_heap()
     missing = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.device.type == "meta"]
     if missing:
         raise SelfspecError(f"GGUF file {path} has no tensor for {', '.join(missing[:5])}")
     hf.eval()
     return hf, tokenizer, summary
-
-
-def _return_free_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing): the load's
-    temporaries, a few MB each, leave freed pages behind that would stay resident (1.5B model: about 60 MB)."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(ctypes.c_size_t(0))
 
 
 def _name_map(hf: nn.Module, gguf_arch: str, path: Path) -> dict[str, str]:

@@ -51,6 +51,9 @@ class DraftVocabulary:
         self.size = self.capacity = 0
         self.ids = self._codes = self._scale = self._minv = None
         self._x16: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # made on first int8 product
+        # under int8 activations the products read the interleaved copy only: no row copies are held (the head's
+        # rows are read again where a block of the copy is remade); float32 products make them when first run
+        self._hold_rows = not (int8_activations() and head.out_features % 16 == 0)
         self._allocate(min(self.limit, base + base // 2))
         self.add(torch.arange(min(base, self.vocab_size)))
         if int8_activations() and head.out_features % 16 == 0:
@@ -72,10 +75,11 @@ class DraftVocabulary:
 
         k, groups = head.in_features, head.in_features // head.group
         self.ids = grown(self.ids, 0, torch.int64)
-        q4 = head.fmt == "q4"
-        self._codes = grown(self._codes, k // 2 if q4 else k, torch.uint8 if q4 else torch.int8)
-        self._scale = grown(self._scale, groups, torch.float32)
-        self._minv = grown(self._minv, groups if head.has_minima else None, torch.float32)
+        if self._hold_rows:
+            q4 = head.fmt == "q4"
+            self._codes = grown(self._codes, k // 2 if q4 else k, torch.uint8 if q4 else torch.int8)
+            self._scale = grown(self._scale, groups, torch.float32)
+            self._minv = grown(self._minv, groups if head.has_minima else None, torch.float32)
         self.capacity = rows
         self._x16 = None  # remade from the row copies on the next int8 product
 
@@ -86,28 +90,70 @@ class DraftVocabulary:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def _rows(self, lo: int, hi: int) -> QuantWeight:
-        """Copied rows ``lo..hi`` (whole blocks of 16) as a weight of their own."""
+        """Copied rows ``lo..hi`` (whole blocks of 16; zero beyond the subset) as a weight of their own (read from
+        the head again where no row copies are held)."""
         h = self.head
-        return QuantWeight(h.fmt, hi - lo, h.in_features, h.group, self._codes[lo:hi], self._scale[lo:hi],
-                           None if self._minv is None else self._minv[lo:hi], h.source)  # fmt: skip
+        if self._codes is not None:
+            return QuantWeight(h.fmt, hi - lo, h.in_features, h.group, self._codes[lo:hi], self._scale[lo:hi],
+                               None if self._minv is None else self._minv[lo:hi], h.source)  # fmt: skip
+        codes, scale, minv = self._read_head(self.ids[lo : max(lo, min(hi, self.size))], hi - lo)
+        return QuantWeight(h.fmt, hi - lo, h.in_features, h.group, codes, scale, minv, h.source)
+
+    def _read_head(self, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The head's row form of ``ids`` in ``rows`` rows (zero beyond them), a few thousand rows at a time."""
+        h = self.head
+        k, groups = h.in_features, h.in_features // h.group
+        q4 = h.fmt == "q4"
+        codes = torch.zeros(rows, k // 2 if q4 else k, dtype=torch.uint8 if q4 else torch.int8)
+        scale = torch.zeros(rows, groups, dtype=torch.float32)
+        minv = torch.zeros(rows, groups, dtype=torch.float32) if h.has_minima else None
+        for at in range(0, len(ids), ADD_CHUNK):
+            part = ids[at : at + ADD_CHUNK]
+            c, sc, mn = h.row_slices(part)
+            codes[at : at + len(part)], scale[at : at + len(part)] = c, sc
+            if minv is not None:
+                minv[at : at + len(part)] = mn
+        return codes, scale, minv
 
     def _repack(self, lo: int, hi: int) -> None:
         """Bring the interleaved copy up to date for rows ``lo..hi`` (or make it, for all rows)."""
         if self._x16 is None:
-            rows = self._rows(0, self.capacity)
-            self._x16, self._x16_form = rows.x16(), rows.x16_form  # (the form: bits, half scales)
+            self._build_x16()
+        else:
+            self._pack_blocks(lo // 16, -(-hi // 16))
+
+    def _build_x16(self, whole: bool = False) -> None:
+        """The interleaved copy of every row, a few thousand rows at a time (``whole``: in one piece)."""
+        step = self.capacity if whole else max(16, ADD_CHUNK // 16 * 16)
+        rows = self._rows(0, min(step, self.capacity))
+        first, self._x16_form = rows.x16(), rows.x16_form  # (the form: bits, half scales)
+        if step >= self.capacity:
+            self._x16 = first
             return
-        b0, b1 = lo // 16, -(-hi // 16)
+        per = [None if t is None else t.numel() // (step // 16) for t in first]  # elements per block of 16 rows
+        self._x16 = tuple(None if t is None else t.new_empty(m * (self.capacity // 16))
+                          for t, m in zip(first, per, strict=True))  # fmt: skip
+        for out, t, m in zip(self._x16, first, per, strict=True):
+            if out is not None:
+                out[: m * (step // 16)] = t.reshape(-1)
+        for b0 in range(step // 16, self.capacity // 16, step // 16):
+            if not self._pack_blocks(b0, min(b0 + step // 16, self.capacity // 16)):
+                return
+
+    def _pack_blocks(self, b0: int, b1: int) -> bool:
+        """Repack blocks ``b0..b1`` of 16 rows into the copy; False where their scales take another form than the
+        copy's (some not halves, or now all are): the whole copy is then made again in one piece."""
         fresh = pack_x16(self._rows(16 * b0, 16 * b1))
-        if fresh[1].dtype != self._x16[1].dtype:  # these rows' scales are not all halves (or now are): pack all
+        if fresh[1].dtype != self._x16[1].dtype:
             self._x16 = None
-            self._repack(0, self.capacity)
-            return
+            self._build_x16(whole=True)
+            return False
         for whole, part in zip(self._x16, fresh, strict=True):
             if whole is None:  # symmetric q8: no minima
                 continue
             per = whole.numel() // (self.capacity // 16)  # elements per block of 16 rows
             whole.view(-1)[b0 * per : b1 * per] = part.reshape(-1)
+        return True
 
     def add(self, token_ids: torch.Tensor) -> None:
         """Score these ids in later drafts too (ids already in, or out of range, are ignored)."""
@@ -124,7 +170,8 @@ class DraftVocabulary:
         if self.size + len(ids) > self.capacity:
             self._allocate(min(self.limit, max(2 * self.capacity, self.size + len(ids))))
         lo, hi = self.size, self.size + len(ids)
-        for at in range(0, len(ids), ADD_CHUNK):  # (a few thousand rows at a time: the load's peak stays low)
+        held = len(ids) if self._codes is not None else 0  # (a few thousand rows at a time: the load's peak stays low)
+        for at in range(0, held, ADD_CHUNK):
             part = ids[at : at + ADD_CHUNK]
             codes, scale, minv = self.head.row_slices(part)  # (from the head's int8 copy if its rows are released)
             self._codes[lo + at : lo + at + len(part)] = codes
@@ -132,13 +179,13 @@ class DraftVocabulary:
             if self._minv is not None:
                 self._minv[lo + at : lo + at + len(part)] = minv
         self.ids[lo:hi] = ids
+        self.size = hi
         if self._x16 is not None:
             self._repack(lo, hi)
         self.member[ids] = True
         self._column[ids] = torch.arange(lo, hi)
         for t in ids.tolist():
             self._known[t] = 1
-        self.size = hi
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden] @ rows.T``: the subset's logits ``[T, size]`` (fp32; row-exact kernels)."""
@@ -155,6 +202,9 @@ class DraftVocabulary:
                                        x.data_ptr(), codes, scale, minv, None, y.data_ptr()):  # fmt: skip
                 raise MemoryError("no memory to quantise the activations of a draft's head")
             return y[:, : self.size]
+        if self._codes is None:  # float32 products after int8 ones: the row copies, made once
+            self._codes, self._scale, self._minv = self._read_head(self.ids[: self.size], self.capacity)
+            self._hold_rows = True
         y = torch.empty(rows, self.size, dtype=torch.float32)
         minv = None if self._minv is None else self._minv.data_ptr()
         if head.fmt == "q4":

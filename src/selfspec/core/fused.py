@@ -153,12 +153,17 @@ class FusedStack:
         """Each layer's products for low-bit drafts: 8-bit weights requantised to 4 bits (made once, a second or
         two for a 0.5B model; under int8 activations only their interleaved copy is kept), 4-bit ones shared."""
         if self._low_linears is None:
-            self._low_linears = [
-                tuple(m if m.qweight.fmt == "q4" else QuantLinear(low_bit_copy(m.qweight), m.bias)
-                      for m in layer.linears)
-                for layer in self.layers
-            ]  # fmt: skip
+            self._low_linears = [tuple(m if m.qweight.fmt == "q4" else self._low_bit(m) for m in layer.linears)
+                                 for layer in self.layers]  # fmt: skip
         return self._low_linears
+
+    def _low_bit(self, m: QuantLinear) -> QuantLinear:
+        """The 4-bit copy of one product; under int8 activations packed and its row form dropped at once (the
+        copies' row forms are never all held together: a 1.5B model's would take 120 MB more at the peak)."""
+        low = QuantLinear(low_bit_copy(m.qweight), m.bias)
+        if self.int8:
+            low.qweight.release_rows()
+        return low
 
     def _low_bit_structs(self):
         if self._low_structs is None:
