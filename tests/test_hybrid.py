@@ -153,3 +153,15 @@ def test_a_head_only_rounds_gain_counts_the_whole_round_against_a_vanilla_step()
         hybrid.observe(drafted, [0, 1, 2, 3], tokens=4, round_ms=30.0, draft_ms=28.0, verify_ms=2.0)
         assert hybrid.skip_gain == pytest.approx(0.8 + 0.2 * 4 * 10.0 / 30.0)
 
+
+
+def test_asds_choice_drives_autos_layer_skip_source(tiny_llama):
+    """Within auto, ASD's automatic policy holds its layer-skip source's gate and draft length and reads that
+    source's measured costs, as when ASD drafts alone (bound to the hybrid it once found none of them, and its
+    source drafted by the confidence exit: 3 tokens a round where ASD alone drafted 11)."""
+    session = selfspec.Session(tiny_llama, "auto", layerskip="asd")
+    session.generate(PROMPT, max_new_tokens=16)
+    policy, hybrid = session.skip_policy, session.draft_policy
+    assert isinstance(hybrid, HybridDrafter)
+    assert policy._gate is hybrid.layerskip.length and policy._gate.gate == policy.drafting
+    assert policy._drafter is hybrid.layerskip

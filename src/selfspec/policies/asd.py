@@ -345,7 +345,10 @@ class AutoAsdPolicy:
         return self._own_profile
 
     def bind(self, model, drafter=None) -> None:
-        """Before a prompt: the model's costs, the drafter's precision and draft limit, the gate."""
+        """Before a prompt: the model's costs, the drafter's precision and draft limit, the gate (of ``auto``'s
+        layer-skip source where the drafter is that hybrid: its gate, draft length and measured costs are this
+        policy's, as when ASD drafts alone)."""
+        drafter = getattr(drafter, "layerskip", drafter)
         key = f"{model.name}|{model.hf.config.model_type}|{model.num_layers}"
         if key != self._model_key:  # another model: nothing learned applies
             self._model_key, self.learner = key, Learner(self.config)
