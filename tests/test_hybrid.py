@@ -156,12 +156,16 @@ def test_a_head_only_rounds_gain_counts_the_whole_round_against_a_vanilla_step()
 
 
 def test_asds_choice_drives_autos_layer_skip_source(tiny_llama):
-    """Within auto, ASD's automatic policy holds its layer-skip source's gate and draft length and reads that
-    source's measured costs, as when ASD drafts alone (bound to the hybrid it once found none of them, and its
-    source drafted by the confidence exit: 3 tokens a round where ASD alone drafted 11)."""
+    """Within auto, ASD's automatic policy sets its layer-skip source's draft length and reads that source's
+    measured costs, as when ASD drafts alone (bound to the hybrid it once found neither, and its source drafted by
+    the confidence exit: 3 tokens a round where ASD alone drafted 11); the hybrid alone decides which rounds that
+    source drafts."""
     session = selfspec.Session(tiny_llama, "auto", layerskip="asd")
     session.generate(PROMPT, max_new_tokens=16)
     policy, hybrid = session.skip_policy, session.draft_policy
     assert isinstance(hybrid, HybridDrafter)
-    assert policy._gate is hybrid.layerskip.length and policy._gate.gate == policy.drafting
+    assert policy._gate is hybrid.layerskip.length and policy._gate.gate is None
     assert policy._drafter is hybrid.layerskip
+    alone = selfspec.Session(tiny_llama, "asd")
+    alone.generate(PROMPT, max_new_tokens=16)
+    assert alone.skip_policy._gate.gate == alone.skip_policy.drafting

@@ -345,9 +345,11 @@ class AutoAsdPolicy:
         return self._own_profile
 
     def bind(self, model, drafter=None) -> None:
-        """Before a prompt: the model's costs, the drafter's precision and draft limit, the gate (of ``auto``'s
-        layer-skip source where the drafter is that hybrid: its gate, draft length and measured costs are this
-        policy's, as when ASD drafts alone)."""
+        """Before a prompt: the model's costs, the drafter's precision and draft limit, the gate.  Where the drafter
+        is ``auto``'s hybrid, its layer-skip source's: this policy picks that source's skip set and draft length
+        from its measured costs, as when ASD drafts alone, but the hybrid decides which rounds it drafts (by that
+        source's measured gain; two gates, each exploring on its own schedule, would seldom open together)."""
+        hybrid = getattr(drafter, "layerskip", None) is not None
         drafter = getattr(drafter, "layerskip", drafter)
         key = f"{model.name}|{model.hf.config.model_type}|{model.num_layers}"
         if key != self._model_key:  # another model: nothing learned applies
@@ -366,7 +368,7 @@ class AutoAsdPolicy:
         self._head_only = verifies_by_head(getattr(model, "engine", None), SkipSet(), dtype)
         self._gate = drafter.length if isinstance(getattr(drafter, "length", None), DraftGate) else None
         if self._gate is not None:
-            self._gate.gate = self.drafting
+            self._gate.gate = None if hybrid else self.drafting
         self._drafter = drafter  # its economy measures what draft steps and verifications really cost
 
     def drafting(self) -> bool:
