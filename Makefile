@@ -53,7 +53,7 @@ LLAMA_CPP ?= $(HOME)/.cache/llama-cpp-reference/bin
 BENCH := $(BIN)/selfspec bench --max-new-tokens 128 --warmup 1
 SPEC5 := --dataset spec-bench --limit 5 --methods vanilla,auto,pld,suffix,swift,asd
 XH := --stream xsum,humaneval --limit 5 --methods vanilla,asd,auto,pld
-SELFDRAFT := --dataset spec-bench --max-new-tokens 128 --methods vanilla,lowbit,vocab,asd,auto,pld
+SELFDRAFT := --dataset spec-bench --max-new-tokens 128 --warmup 1 --methods vanilla,lowbit,vocab,asd,auto,pld
 PEERS := --dataset spec-bench --limit 2 --methods vanilla,auto,pld,suffix,asd,swift,lookahead,hf,llamacpp --llama-cpp $(LLAMA_CPP)
 
 results: install
