@@ -895,14 +895,22 @@ def k_sub_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None
     return None
 
 
-def _row_sub_scales(kind: str, blocks: np.ndarray, rows: int) -> tuple[np.ndarray | None, ...] | None:
-    """:func:`k_sub_scales` of ``rows`` whole rows of blocks, per row: ([rows, groups], [rows, K/256], ...)."""
-    sub = k_sub_scales(kind, blocks) if _SUB_SCALES else None
-    return None if sub is None else tuple(None if a is None else a.reshape(rows, -1) for a in sub)
+def _per_row(sub: tuple[np.ndarray | None, ...] | None, rows: int) -> tuple[np.ndarray | None, ...] | None:
+    """:func:`k_sub_scales` of ``rows`` whole rows of blocks, per row: ([rows, groups], [rows, K/256], ...); None
+    without sub-scales (another type, or SUB_SCALES_ENV off)."""
+    return None if sub is None or not _SUB_SCALES else tuple(None if a is None else a.reshape(rows, -1) for a in sub)
 
 
-def _repack(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(fmt, group, codes [blocks, ...], scale [blocks, groups], min [blocks, groups] or None) for one type."""
+def _repack(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.ndarray, np.ndarray | None, tuple | None]:
+    """(fmt, group, codes [blocks, ...], scale [blocks, groups], min [blocks, groups] or None, the K-quants'
+    stored scales (:func:`k_sub_scales`) or None) for one type."""
+    sub = k_sub_scales(kind, blocks)
+    return (*_repack_rows(kind, blocks, sub), sub)
+
+
+def _repack_rows(kind: str, blocks: np.ndarray,
+                 sub: tuple | None) -> tuple[str, int, np.ndarray, np.ndarray, np.ndarray | None]:  # fmt: skip
+    """:func:`_repack` but the K-quants' stored scales (``sub``: those, from which their row form's are made)."""
     nb = blocks.shape[0]
     if kind == "Q8_0":
         d = _f16(blocks[:, :2])
@@ -920,12 +928,9 @@ def _repack(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.nda
             return "q8", 32, (q.astype(np.int16) - 16).astype(np.int8), d, None
         return "q8", 32, q.astype(np.int8), d, _f16(blocks[:, 2:4])
     if kind in ("Q4_K", "Q5_K"):
-        from gguf.quants import Q4_K
-
-        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-        scale = d * sc.astype(np.float32)
-        minv = -(dmin * m.astype(np.float32))
+        sc, d, m, neg_dmin = sub
+        scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+        minv = neg_dmin.astype(np.float32)[:, None] * m.astype(np.float32)  # -(dmin * m), exactly
         qs = blocks[:, -128:].reshape(nb, 4, 1, 32)
         q = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(nb, 8, 32)
         if kind == "Q4_K":
@@ -935,8 +940,8 @@ def _repack(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.nda
         return "q8", 32, q.astype(np.int8).reshape(nb, 256), scale, minv
     if kind == "Q6_K":
         ql, qh = blocks[:, :128], blocks[:, 128:192]
-        sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
-        d = _f16(blocks[:, 208:210])
+        sc, d, _, _ = sub
+        sc, d = sc.astype(np.float32), d.astype(np.float32)[:, None]
         lo = ((ql.reshape(nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(
             nb, 2, 4, 32
         )
@@ -984,9 +989,8 @@ def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: b
     subs = []
     for r0 in range(0, n, step):
         rows = min(step, n - r0)
-        blocks = read(r0, rows).reshape(-1, size)
-        fmt, group, c, sc, mn = _repack(kind, blocks)
-        subs.append(_row_sub_scales(kind, blocks, rows))
+        fmt, group, c, sc, mn, sub = _repack(kind, read(r0, rows).reshape(-1, size))
+        subs.append(_per_row(sub, rows))
         if codes is None:  # the outputs, allocated once
             codes = np.empty((n, c.size // rows), dtype=c.dtype)
             scale = np.empty((n, sc.size // rows), dtype=np.float32)
@@ -1010,15 +1014,14 @@ def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight
     fmt, group = "", 0
     for r0 in range(0, n, step):
         rows = min(step, n - r0)
-        blocks = read(r0, rows)
-        fmt, group, c, sc, mn = _repack(kind, blocks)
+        fmt, group, c, sc, mn, sub = _repack(kind, read(r0, rows))
         bits = x16_bits(fmt, kind, group, mn is not None)
         if bits == 8 and mn is not None:
             return None
         c, sc, mn = (None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
                      for a in (c, sc, mn))  # fmt: skip
         piece = QuantWeight(fmt, rows, k, group, c, sc, mn, kind)
-        piece.__dict__["_sub"] = _row_sub_scales(kind, blocks, rows)
+        piece.__dict__["_sub"] = _per_row(sub, rows)
         part = pack_x16(piece)
         if whole and part[1].dtype != whole[1].dtype:  # one piece's scales not all halves: pack it whole instead
             return None
