@@ -173,7 +173,8 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
 #define X16_SUB8 0x200    /* ... or K-quant sub-scales: a signed byte per group times a half per 256 weights */
 /* A form's scale kind SK: 0 fp32, 1 halves, 2 sub-scales; bytes of one block's table of scales (or minima) */
 #define SCALE_KIND(form) (((form) & X16_SUB8) ? 2 : ((form) & X16_SCALE16) ? 1 : 0)
-#define SCALE_BLOCK_BYTES(SK, groups, K) ((SK) == 2 ? (groups) * 16 + (K) / 256 * 32 : (groups) * 16 * ((SK) ? 2 : 4))
+#define SCALE_BYTES(SK) ((SK) == 2 ? 1 : (SK) ? 2 : 4) /* per group and row (sub-scales: the byte alone) */
+#define SCALE_BLOCK_BYTES(SK, groups, K) ((groups) * 16 * SCALE_BYTES(SK) + ((SK) == 2 ? (K) / 256 * 32 : 0))
 
 /* An IEEE half widened to a float (exact; the portable path's and the tail's conversion) */
 static inline float half_to_float(uint16_t h) {
@@ -188,10 +189,15 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+/* A sub-scale table's 16 halves (one per row) of the 256 weights holding group g (the block: `groups` groups of G) */
+static inline const uint16_t *sub_halves(const void *p, long g, long groups, long G) {
+    return (const uint16_t *)((const int8_t *)p + groups * 16) + (g * G / 256) * 16;
+}
+
 /* The scale (or minimum) of group g, row r of a block's table p of kind SK (the block has `groups` groups of G) */
 static inline float scale_at(const void *p, long g, int r, int SK, long groups, long G) {
     if (SK == 2) {
-        const uint16_t *d = (const uint16_t *)((const int8_t *)p + groups * 16) + (g * G / 256) * 16;
+        const uint16_t *d = sub_halves(p, g, groups, G);
         return (float)((const int8_t *)p)[g * 16 + r] * half_to_float(d[r]);
     }
     return SK ? half_to_float(((const uint16_t *)p)[g * 16 + r]) : ((const float *)p)[g * 16 + r];
@@ -206,7 +212,7 @@ static inline __attribute__((always_inline)) __m512 scales16(const void *p, long
     if (SK == 2) {
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p
                                                                                                    + g * 16))));
-        const uint16_t *d = (const uint16_t *)((const int8_t *)p + groups * 16) + (g * G / 256) * 16;
+        const uint16_t *d = sub_halves(p, g, groups, G);
         return _mm512_mul_ps(sc, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d)));
     }
     return SK ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + g * 16)))
@@ -253,8 +259,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
          * product is too short a stream for the hardware prefetcher, which alone read the head at 2/3 the speed */
         if (ahead) {
             for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
-            __builtin_prefetch((const char *)scale + (g + ahead) * 16 * (SK == 2 ? 1 : SK ? 2 : 4), 0, 0);
-            if (!SYM) __builtin_prefetch((const char *)minv + (g + ahead) * 16 * (SK == 2 ? 1 : SK ? 2 : 4), 0, 0);
+            __builtin_prefetch((const char *)scale + (g + ahead) * 16 * SCALE_BYTES(SK), 0, 0);
+            if (!SYM) __builtin_prefetch((const char *)minv + (g + ahead) * 16 * SCALE_BYTES(SK), 0, 0);
         }
         __m512i w[8];
         if (BITS == 4) {
@@ -323,7 +329,7 @@ static inline __attribute__((always_inline)) __m256 scales8(const void *p, long 
     if (SK == 2) {
         const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p
                                                                                                    + g * 16 + 8 * h))));
-        const uint16_t *d = (const uint16_t *)((const int8_t *)p + groups * 16) + (g * G / 256) * 16 + 8 * h;
+        const uint16_t *d = sub_halves(p, g, groups, G) + 8 * h;
         return _mm256_mul_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
     }
     return SK ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + g * 16 + 8 * h)))
