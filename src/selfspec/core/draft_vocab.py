@@ -100,20 +100,25 @@ class DraftVocabulary:
         return QuantWeight(h.fmt, hi - lo, h.in_features, h.group, codes, scale, minv, h.source)
 
     def _read_head(self, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The head's row form of ``ids`` in ``rows`` rows (zero beyond them), a few thousand rows at a time."""
+        """The head's row form of ``ids`` in ``rows`` rows (zero beyond them)."""
         h = self.head
         k, groups = h.in_features, h.in_features // h.group
         q4 = h.fmt == "q4"
         codes = torch.zeros(rows, k // 2 if q4 else k, dtype=torch.uint8 if q4 else torch.int8)
         scale = torch.zeros(rows, groups, dtype=torch.float32)
         minv = torch.zeros(rows, groups, dtype=torch.float32) if h.has_minima else None
-        for at in range(0, len(ids), ADD_CHUNK):
-            part = ids[at : at + ADD_CHUNK]
-            c, sc, mn = h.row_slices(part)
-            codes[at : at + len(part)], scale[at : at + len(part)] = c, sc
-            if minv is not None:
-                minv[at : at + len(part)] = mn
+        self._copy_head_rows(ids, (codes, scale, minv), 0)
         return codes, scale, minv
+
+    def _copy_head_rows(self, ids: torch.Tensor, into: tuple, at: int) -> None:
+        """The head's row form of ``ids`` written into the row tables ``into`` (codes, scale, minimum) from row
+        ``at``, a few thousand rows at a time (the load's peak stays low; from the head's int8 copy if its rows
+        are released)."""
+        for i in range(0, len(ids), ADD_CHUNK):
+            part = ids[i : i + ADD_CHUNK]
+            for table, rows in zip(into, self.head.row_slices(part), strict=True):
+                if table is not None:
+                    table[at + i : at + i + len(part)] = rows
 
     def _repack(self, lo: int, hi: int) -> None:
         """Bring the interleaved copy up to date for rows ``lo..hi`` (or make it, for all rows)."""
@@ -170,14 +175,8 @@ class DraftVocabulary:
         if self.size + len(ids) > self.capacity:
             self._allocate(min(self.limit, max(2 * self.capacity, self.size + len(ids))))
         lo, hi = self.size, self.size + len(ids)
-        held = len(ids) if self._codes is not None else 0  # (a few thousand rows at a time: the load's peak stays low)
-        for at in range(0, held, ADD_CHUNK):
-            part = ids[at : at + ADD_CHUNK]
-            codes, scale, minv = self.head.row_slices(part)  # (from the head's int8 copy if its rows are released)
-            self._codes[lo + at : lo + at + len(part)] = codes
-            self._scale[lo + at : lo + at + len(part)] = scale
-            if self._minv is not None:
-                self._minv[lo + at : lo + at + len(part)] = minv
+        if self._codes is not None:
+            self._copy_head_rows(ids, (self._codes, self._scale, self._minv), lo)
         self.ids[lo:hi] = ids
         self.size = hi
         if self._x16 is not None:
