@@ -1,5 +1,5 @@
-"""Every build of the native library computes the same numbers: the fused stack's logits from the AVX2 build
-(CPUs without AVX-512) and from the portable C build equal this machine's native build bit for bit.
+"""Every build of the native library computes the same numbers: the fused stack's logits from the AVX-VNNI and
+AVX2 builds (CPUs without AVX-512) and from the portable C build equal this machine's native build bit for bit.
 
 Each build is compiled from the same sources with :data:`ISA_FLAGS` and swapped in as the engine's fused stack,
 so one process compares them; the products outside the stack (the head) are the native library's in every run.
@@ -29,8 +29,10 @@ PROMPT = 40  # below the prompt kernel's 65 rows: every pass takes the row kerne
 def isa_libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
     """The library built for each narrower ISA this CPU can run, once for this module."""
     libs = {}
-    for isa in ("avx2", "portable"):
-        if isa == "avx2" and not _cpu_has("avx2", "fma", "f16c"):
+    for isa in ("avxvnni", "avx2", "portable"):
+        if isa in ("avx2", "avxvnni") and not _cpu_has("avx2", "fma", "f16c"):
+            continue
+        if isa == "avxvnni" and not _cpu_has("avx_vnni"):
             continue
         path = tmp_path_factory.mktemp(isa) / f"{isa}.so"
         subprocess.run(["gcc", *CFLAGS, *ISA_FLAGS[isa], "-o", str(path), *map(str, SOURCES), "-lm"], check=True)

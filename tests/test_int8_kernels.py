@@ -156,12 +156,15 @@ def _cpu_has(*flags: str) -> bool:
 
 @pytest.mark.skipif(not int8_kernels_available(), reason="needs native int8 kernels (AVX512-VNNI or AVX2)")
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 with gcc only")
-@pytest.mark.parametrize("isa, kind_code", [("avx2", 2), ("portable", 0)])
+@pytest.mark.parametrize("isa, kind_code", [("avxvnni", 3), ("avx2", 2), ("portable", 0)])
 def test_every_int8_path_computes_the_same_numbers(tmp_path, isa, kind_code):
-    """CPUs without VNNI get bit-identical products: from AVX2's vpmaddubsw (which saturates, so q8 codes take the
-    sign trick), or from the plain C loops; the reference is this machine's own native build."""
-    if isa == "avx2" and not _cpu_has("avx2", "fma"):
+    """CPUs without AVX-512 VNNI get bit-identical products: from AVX-VNNI's 256-bit vpdpbusd, from AVX2's
+    vpmaddubsw (which saturates, so q8 codes take the sign trick), or from the plain C loops; the reference is
+    this machine's own native build."""
+    if isa in ("avx2", "avxvnni") and not _cpu_has("avx2", "fma"):
         pytest.skip("this CPU has no AVX2")
+    if isa == "avxvnni" and not _cpu_has("avx_vnni"):
+        pytest.skip("this CPU has no AVX-VNNI")
     lib_path = tmp_path / f"{isa}.so"
     subprocess.run(["gcc", *CFLAGS, *ISA_FLAGS[isa], "-o", str(lib_path), *map(str, SOURCES), "-lm"], check=True)
     lib = ctypes.CDLL(str(lib_path))

@@ -506,7 +506,7 @@ def _print_quantized(model, step_ms: float) -> None:
     mode = ("int8 (llama.cpp's scheme: rows quantised in blocks of 32, integer dot products)"
             if int8_activations() else "float32")
     print(f"decoding products' activations: {mode}; int8 products by {int8_kernels_name()} here "
-          f"(--activations to choose; SELFSPEC_ISA=avx2|portable narrows the build)")
+          f"(--activations to choose; SELFSPEC_ISA=avxvnni|avx2|portable narrows the build)")
     print(format_products(measure_products(model.hf), bandwidth))
     bound = _quantized_bound(model, bandwidth)["quantized_bound_ms"]
     print(f"weight-read bound of one decoding step (every quantised weight read once at {bandwidth:.1f} GB/s): "

@@ -50,14 +50,20 @@
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SELFSPEC_AVX2 1
 #include <immintrin.h>
+#if defined(__AVXVNNI__)
+#define SELFSPEC_AVXVNNI 1 /* client Intel from Alder Lake, AMD Zen 5: vpdpbusd on 256-bit registers, no AVX-512 */
+#endif
 #endif
 
 /* Which instructions the products below use: 1 VNNI (vpdpbusd), 2 AVX2 (vpmaddubsw + vpmaddwd: the same exact
- * integer sums in three instructions per 32 bytes, for CPUs without AVX-512 VNNI), 0 the portable loops (exact,
- * but slower than the fp32 kernels).  All three give bit-identical products. */
+ * integer sums in three instructions per 32 bytes, for CPUs without AVX-512 VNNI), 3 AVX-VNNI (AVX2's layout with
+ * the sums by the 256-bit vpdpbusd: one instruction per 32 bytes), 0 the portable loops (exact, but slower than the
+ * fp32 kernels).  All four give bit-identical products. */
 int selfspec_int8_kernels(void) {
 #if defined(SELFSPEC_VNNI)
     return 1;
+#elif defined(SELFSPEC_AVXVNNI)
+    return 3;
 #elif defined(SELFSPEC_AVX2)
     return 2;
 #else
@@ -304,7 +310,22 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
 #ifdef SELFSPEC_AVX2
 /* The exact integer sums of one group for one row of x (xg: its int8 codes as 4-byte words) and 8 output rows:
  * q4 from the group's nibbles w[8] (k = 4j + i in w[j]); q8 from its bytes c (32 bytes per 4 k, 64 apart) */
+#ifdef SELFSPEC_AVXVNNI
+/* AVX-VNNI: the exact sums of NW words of codes (unsigned bytes, any of the forms) in two chains of vpdpbusd */
+static inline __attribute__((always_inline)) __m256i dots_vnni256(const int NW, const __m256i *w, const int32_t *xg) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < NW; j += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, w[j], _mm256_set1_epi32(xg[j]));
+        s1 = _mm256_dpbusd_avx_epi32(s1, w[j + 1], _mm256_set1_epi32(xg[j + 1]));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+#endif
+
 static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8], const int32_t *xg) {
+#ifdef SELFSPEC_AVXVNNI
+    return dots_vnni256(8, w, xg);
+#endif
     __m256i p = _mm256_setzero_si256(); /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
     for (int j = 0; j < 8; j++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xg[j])));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
@@ -312,6 +333,12 @@ static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8],
 
 static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg,
                                                               int32_t xsum) {
+#ifdef SELFSPEC_AVXVNNI
+    (void)xsum; /* vpdpbusd takes the codes + 128 as they are */
+    __m256i w[8];
+    for (int j = 0; j < G / 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
+    return dots_vnni256(G / 4, w, xg);
+#endif
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < G / 4; j++) {
@@ -338,6 +365,9 @@ static inline __attribute__((always_inline)) __m256 scales8(const void *p, long 
 
 /* The same for 5- and 6-bit codes (0..63) in NW words w[NW]: pair products reach 16,002, so two words add in int16 */
 static inline __attribute__((always_inline)) __m256i sums_small(const int NW, const __m256i *w, const int32_t *xg) {
+#ifdef SELFSPEC_AVXVNNI
+    return dots_vnni256(NW, w, xg);
+#endif
     const __m256i ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < NW; j += 2) {

@@ -61,8 +61,9 @@ SOURCES = (SOURCE, Path(__file__).with_name("fused_decoder.c"),  # one library: 
            Path(__file__).with_name("prefill_gemm.c"), Path(__file__).with_name("prompt_gemm.c"),
            Path(__file__).with_name("int8_kernels.c"))  # fmt: skip
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
-ISA_ENV = "SELFSPEC_ISA"  # native (default) | avx2 | portable: which vector code of this x86 CPU the build may use
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+ISA_ENV = "SELFSPEC_ISA"  # native (default) | avxvnni | avx2 | portable: which x86 vector code the build may use
+ISA_FLAGS = {"native": (), "avxvnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni"),
+             "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}  # fmt: skip
 PREFILL_ROWS = 65  # within bulk_rows(), calls with at least this many rows take the prompt kernel
 PREFILL_KERNEL_ENV = "SELFSPEC_PREFILL_KERNEL"  # gemm | rows | split | tiles (see prefill_kernel)
 PREFILL_KERNELS = ("rows", "gemm", "split", "tiles")
@@ -165,7 +166,7 @@ _VNNI: bool | None = None
 
 def int8_kernels_available() -> bool:
     """Whether the int8-activation products run on vector instructions here (``int8_kernels.c``: AVX512-VNNI,
-    or AVX2's vpmaddubsw; see :func:`int8_kernels_name`)."""
+    AVX-VNNI, or AVX2's vpmaddubsw; see :func:`int8_kernels_name`)."""
     global _VNNI
     if _VNNI is None:
         try:
@@ -176,12 +177,13 @@ def int8_kernels_available() -> bool:
 
 
 def int8_kernels_name() -> str:
-    """Which instructions compute the int8-activation products: "AVX512-VNNI", "AVX2" or "portable C"."""
+    """Which instructions compute the int8-activation products: "AVX512-VNNI", "AVX-VNNI", "AVX2" or "portable
+    C"."""
     try:
         kind = int(native().selfspec_int8_kernels())
     except NativeUnavailable:
         return "none (no native kernels)"
-    return {1: "AVX512-VNNI", 2: "AVX2"}.get(kind, "portable C")
+    return {1: "AVX512-VNNI", 2: "AVX2", 3: "AVX-VNNI"}.get(kind, "portable C")
 
 
 def int8_activations() -> bool:
@@ -273,8 +275,10 @@ _LIB_LOCK = threading.Lock()
 
 
 def isa() -> str:
-    """``SELFSPEC_ISA``: ``native`` (every instruction this CPU has), or, on x86, ``avx2`` (the code a CPU without
-    AVX-512 gets: int8 products by vpmaddubsw) or ``portable`` (plain C), to run and test those paths here."""
+    """``SELFSPEC_ISA``: ``native`` (every instruction this CPU has), or, on x86, ``avxvnni`` (the code a CPU with
+    AVX-VNNI but no AVX-512 gets, client Intel from Alder Lake: int8 products by the 256-bit vpdpbusd; plain
+    ``avx2`` where the CPU lacks AVX-VNNI), ``avx2`` (a CPU without either: vpmaddubsw) or ``portable`` (plain C),
+    to run and test those paths here."""
     name = os.environ.get(ISA_ENV, "").strip().lower() or "native"
     if name not in ISA_FLAGS:
         raise SelfspecError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, not {name!r}")
