@@ -171,3 +171,24 @@ def test_int8_subset_rows_score_as_the_int8_full_head_does():
         assert torch.equal(vocab.product(x), full[:, vocab.ids[: vocab.size]])
     with activations("float32"):
         assert not torch.equal(head.matmul(x), full)
+
+
+def test_a_chain_ends_at_a_drafted_end_of_sequence_token(smollm2):
+    """A drafted stop token ends the chain: were it kept, the answer would end there, so nothing after it could
+    be used.  The same draft without the stop set goes on past it."""
+    from selfspec.drafters.layerskip import FixedDraftLength, draft_round
+
+    engine = smollm2.engine
+    ids = torch.tensor(smollm2.encode("One, two, three, four, five, six, seven, eight"))
+
+    def chain(stop):
+        cache = engine.new_cache(len(ids) + 16)
+        engine.forward(cache, ids[:-1], 0, prefill=True)
+        out = draft_round(engine, cache, len(ids) - 1, int(ids[-1]), skip=NO_SKIP, budget=8,
+                          length=FixedDraftLength(6), stop=stop)  # fmt: skip
+        return list(out.tree.tokens[1 : 1 + out.steps])
+
+    free = chain(())
+    assert len(free) == 6
+    assert chain({free[2]}) == free[:3]
+    assert chain(smollm2.eos_token_ids - set(free)) == free  # stop tokens never drafted change nothing

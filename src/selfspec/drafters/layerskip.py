@@ -28,7 +28,7 @@ returns the :class:`~selfspec.decoding.trees.DraftTree` to verify.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -286,9 +286,12 @@ def draft_round(
     precision: torch.dtype | None = None,
     sampler: Sampler = GREEDY_SAMPLER,
     history: Sequence[int] = (),
+    stop: Collection[int] = (),
 ) -> DraftOutcome | None:
     """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``; ``history``: the
-    tokens up to and including it, for the sampler).
+    tokens up to and including it, for the sampler).  The chain ends at a drafted token of ``stop`` (the
+    model's end-of-sequence tokens): were it kept, the answer would end there, so tokens drafted after it
+    could never be used (short answers drafted a full round past their end).
 
     Greedy: the chain follows the draft's argmax and the leaves are its next
     best tokens.  Coupled sampling: the same on the draft's log-weights plus
@@ -334,7 +337,7 @@ def draft_round(
         chain_probs.append(prob)
         if tree is not None and tree.economy is not None:
             path_prob *= tree.economy.chain.prob(prob)
-        if length.should_stop(len(chain_probs), prob):
+        if length.should_stop(len(chain_probs), prob) or draws[0] in stop:
             break
     leaf_probs: dict[int, float] = {}
     for chain_node, extras in leaf_nodes:
@@ -483,7 +486,7 @@ class Drafter:
             return None
         return draft_round(
             model.engine, cache, start, root, skip=skip, budget=budget, length=self.length, tree=self.tree,
-            precision=self.torch_dtype(model), sampler=sampler, history=history,
+            precision=self.torch_dtype(model), sampler=sampler, history=history, stop=model.eos_token_ids,
         )  # fmt: skip
 
     def propose(self, history, *, model, cache, skip: SkipSet | None, budget: int,
