@@ -169,3 +169,50 @@ def test_asds_choice_drives_autos_layer_skip_source(tiny_llama):
     alone = selfspec.Session(tiny_llama, "asd")
     alone.generate(PROMPT, max_new_tokens=16)
     assert alone.skip_policy._gate.gate == alone.skip_policy.drafting
+
+
+@pytest.mark.parametrize("source", ["lookup", "suffix"])
+def test_a_match_is_priced_after_drafted_tokens_without_changing_the_source(source):
+    """match_value prices the draft the source would make after history + a layer-skip chain's tokens, from the
+    history's index alone; the source's own state (index, last proposal) stays as it was."""
+    from selfspec.drafters.suffix import SuffixDrafter
+
+    drafter = PromptLookupDrafter() if source == "lookup" else SuffixDrafter()
+    drafter._costs = VerifyCurve(FlatProfile(0.02))
+    history = [9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 1, 2]
+    drafter.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20, sampler=GREEDY_SAMPLER)
+    before = (drafter.last_gain, len(drafter._history if source == "lookup" else drafter._text.tokens))
+    gain, tokens = drafter.match_value(history, [3, 4])  # "1 2 3 4" occurred: 5 6 7 8 follows
+    assert gain > 1.0 and tokens > 1.0
+    assert drafter.match_value(history, [42, 43]) == (0.0, 0.0)  # nothing ends so
+    assert drafter.match_value(history, []) == (0.0, 0.0)
+    assert drafter.match_value(history[:-1], [3]) == (0.0, 0.0)  # not the history last indexed: no answer
+    assert (drafter.last_gain, len(drafter._history if source == "lookup" else drafter._text.tokens)) == before
+
+
+def test_a_layer_skip_chain_ends_where_a_lookup_draft_would_earn_more():
+    """auto's stop rule: the cut pays when the lookup's expected tokens, made at its gain instead of the layer-skip
+    source's, save more than the extra round costs (hybrid.SWITCH_STEPS vanilla steps)."""
+    from selfspec.drafters import hybrid as hybrid_module
+
+    class Priced:
+        value = (0.0, 0.0)
+        max_nodes = 8
+
+        def match_value(self, history, extra):
+            return self.value
+
+    lookup = Priced()
+    hybrid = HybridDrafter(lookup, DeclineToDraft())
+    hybrid.skip_gain = 1.25  # a layer-skip token costs 0.8 steps
+    until = hybrid._lookup_wins_after([1, 2, 3])
+    lookup.value = (2.5, 5.0)  # 5 tokens for 2 steps instead of 4: 2 steps saved
+    assert until([4])
+    lookup.value = (2.5, 2.0)  # 2 tokens: 0.8 steps saved, less than the cut costs
+    assert not until([4]) and hybrid_module.SWITCH_STEPS > 0.8
+    lookup.value = (1.2, 20.0)  # below the layer-skip source's gain: never
+    assert not until([4])
+    hybrid.lookup_calibration = 0.5  # its predictions have been twice too hopeful
+    lookup.value = (2.5, 5.0)
+    assert not until([4])
+    assert HybridDrafter(DeclineToDraft(), DeclineToDraft())._lookup_wins_after([1]) is None  # no pricing

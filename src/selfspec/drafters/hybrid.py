@@ -43,6 +43,7 @@ from .suffix import SuffixDrafter
 SMOOTHING = 0.2  # weight of the newest round in the layer-skip source's measured gain
 EXPLORE_EVERY = 16  # a layer-skip source that loses time still drafts once in this many rounds it could have
 MAX_BACKOFF = 8  # ... or, while its exploring rounds keep losing, in up to this many times as many
+SWITCH_STEPS = 1.0  # vanilla steps an early end of a layer-skip chain costs (its verification comes one round sooner)
 CALIBRATION_RANGE = (0.25, 2.0)  # one lookup round's measured / predicted gain, clamped (one outlier moves little)
 
 
@@ -113,7 +114,25 @@ class HybridDrafter:
         self._exploring = self.skip_gain < 1.0
         self._idle = 0
         self._source = "layerskip"
-        return self.layerskip.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler)
+        return self.layerskip.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler,
+                                      until=self._lookup_wins_after(history))  # fmt: skip
+
+    def _lookup_wins_after(self, history: Sequence[int]):
+        """A layer-skip chain's stop rule: end it where the lookup source, after the tokens drafted so far, would
+        draft E expected tokens at gain g (calibrated) that the layer-skip source makes at its gain s < g, and
+        the vanilla steps saved, E (1/s - 1/g), pay for the extra round the cut costs (about one step: the
+        chain's verification comes sooner).  None where the source cannot price a match."""
+        probe = getattr(self.lookup, "match_value", None)
+        if probe is None:
+            return None
+
+        def until(drafted: list[int]) -> bool:
+            gain, tokens = probe(history, drafted)
+            gain *= self.lookup_calibration
+            s = max(self.skip_gain, 1.0)
+            return gain > s and tokens * (1.0 / s - 1.0 / gain) >= SWITCH_STEPS
+
+        return until
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip

@@ -28,7 +28,7 @@ returns the :class:`~selfspec.decoding.trees.DraftTree` to verify.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -287,11 +287,14 @@ def draft_round(
     sampler: Sampler = GREEDY_SAMPLER,
     history: Sequence[int] = (),
     stop: Collection[int] = (),
+    until: Callable[[list[int]], bool] | None = None,
 ) -> DraftOutcome | None:
     """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``; ``history``: the
     tokens up to and including it, for the sampler).  The chain ends at a drafted token of ``stop`` (the
     model's end-of-sequence tokens): were it kept, the answer would end there, so tokens drafted after it
-    could never be used (short answers drafted a full round past their end).
+    could never be used (short answers drafted a full round past their end).  ``until`` (the chain's tokens
+    so far -> bool) may end it sooner: ``auto`` ends a layer-skip chain where a prompt-lookup draft would now
+    earn more (a summary's text that turns to copying again).
 
     Greedy: the chain follows the draft's argmax and the leaves are its next
     best tokens.  Coupled sampling: the same on the draft's log-weights plus
@@ -338,6 +341,8 @@ def draft_round(
         if tree is not None and tree.economy is not None:
             path_prob *= tree.economy.chain.prob(prob)
         if length.should_stop(len(chain_probs), prob) or draws[0] in stop:
+            break
+        if until is not None and until(tokens[1:]):
             break
     leaf_probs: dict[int, float] = {}
     for chain_node, extras in leaf_nodes:
@@ -480,6 +485,7 @@ class Drafter:
         budget: int,
         sampler: Sampler = GREEDY_SAMPLER,
         history: Sequence[int] = (),
+        until: Callable[[list[int]], bool] | None = None,
     ) -> DraftOutcome | None:
         """One round's draft, or None when the length policy says this round is better spent without one."""
         if budget < 1 or not self.length.begin_round():
@@ -487,13 +493,16 @@ class Drafter:
         return draft_round(
             model.engine, cache, start, root, skip=skip, budget=budget, length=self.length, tree=self.tree,
             precision=self.torch_dtype(model), sampler=sampler, history=history, stop=model.eos_token_ids,
+            until=until,
         )  # fmt: skip
 
     def propose(self, history, *, model, cache, skip: SkipSet | None, budget: int,
-                sampler: Sampler = GREEDY_SAMPLER) -> DraftOutcome | None:
+                sampler: Sampler = GREEDY_SAMPLER,
+                until: Callable[[list[int]], bool] | None = None) -> DraftOutcome | None:  # fmt: skip
         """The :class:`~selfspec.decoding.protocols.Drafter` entry: draft after ``history[-1]``, which sits at
-        the cache's committed length.  (A layer-skip draft reads the history through the cache.)"""
-        return self.draft(model, cache, cache.length, history[-1], skip, budget, sampler, history)
+        the cache's committed length.  (A layer-skip draft reads the history through the cache; ``until``: see
+        :func:`draft_round`.)"""
+        return self.draft(model, cache, cache.length, history[-1], skip, budget, sampler, history, until)
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip

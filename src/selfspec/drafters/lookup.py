@@ -111,6 +111,27 @@ class PromptLookupDrafter:
             return DraftOutcome(tree, [1.0] * k, {}, k, passes=0)
         return None
 
+    def match_value(self, history: Sequence[int], extra: Sequence[int]) -> tuple[float, float]:
+        """(gain as :attr:`last_gain`, expected accepted tokens + 1) of the draft :meth:`propose` would make after
+        ``history`` + ``extra``, looking ``extra``'s last n-grams up among those of ``history`` as :meth:`propose`
+        last indexed it; (0, 0) where none matches or no length pays.  Changes nothing (``auto`` asks it after
+        each token a layer-skip chain drafts, ``extra`` being that chain)."""
+        if not extra or len(self._history) != len(history) or self._costs is None:
+            return 0.0, 0.0
+        tail = [*history[-self.sizes[-1] :], *extra]
+        for n in reversed(self.sizes):
+            if n > len(tail) - 1:
+                continue
+            start = self._index.get(tuple(tail[-n:]))
+            if start is None:
+                continue
+            k = min(self._length(n), len(history) - start)
+            if k < 1:
+                return 0.0, 0.0
+            gain = self._gain(n, k)
+            return gain, gain * self._costs.ratio(k + 1)
+        return 0.0, 0.0
+
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip
         if self._costs is not None:

@@ -179,7 +179,9 @@ class S3DDrafter(Drafter):
         return self.s3d
 
     @torch.inference_mode()
-    def draft(self, model, cache, start, root, skip, budget, sampler: Sampler = GREEDY_SAMPLER, history=()):
+    def draft(self, model, cache, start, root, skip, budget, sampler: Sampler = GREEDY_SAMPLER, history=(),
+              until=None):  # fmt: skip
+        """One pass drafts the whole block of mask tokens (``until``, a chain's early end, does not apply)."""
         if budget < 1:
             return None
         s3d = self.adapter_for(model)

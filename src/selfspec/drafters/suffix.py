@@ -159,17 +159,10 @@ class SuffixDrafter:
         depth = min(self.max_draft, budget)
         if depth < 1:
             return None
-        for n in reversed(self.sizes):
-            if n > len(history) - 1:
-                continue
-            key = tuple(history[-n:])
-            deep = self._useful_depth(n, depth)
-            conts = self._text.continuations(key, deep, MAX_OCCURRENCES)
-            conts += self.store.index.continuations(key, deep, MAX_OCCURRENCES)
-            if conts:
-                break
-        else:
+        match = self._match(history, depth)
+        if match is None:
             return None
+        n, conts = match
         tokens, parents, kids, share = _trie(conts)
         nodes, gain = self._select(n, kids, share, chain_only=sampler.records_q)
         if not nodes:
@@ -200,7 +193,36 @@ class SuffixDrafter:
                 break  # the full model's token was none of them
             self._accepted[n] += 1.0
 
+    def match_value(self, history: Sequence[int], extra: Sequence[int]) -> tuple[float, float]:
+        """(gain as :attr:`last_gain`, expected accepted tokens + 1) of the tree :meth:`propose` would draft after
+        ``history`` + ``extra``, from the text as :meth:`propose` last indexed it (``history``); (0, 0) where
+        nothing matches or pays.  Changes nothing (``auto`` asks it after each token a layer-skip chain drafts,
+        ``extra`` being that chain)."""
+        if not extra or len(self._text.tokens) != len(history):
+            return 0.0, 0.0
+        match = self._match([*history[-self.sizes[-1] :], *extra], self.max_draft)
+        if match is None:
+            return 0.0, 0.0
+        n, conts = match
+        _, _, kids, share = _trie(conts)
+        nodes, gain = self._select(n, kids, share, chain_only=False)
+        return (gain, gain * self._costs.ratio(1 + len(nodes))) if nodes and self._costs is not None else (0.0, 0.0)
+
     # -- internals ------------------------------------------------------------------------------
+    def _match(self, text: Sequence[int], depth: int) -> tuple[int, list[list[int]]] | None:
+        """The longest n-gram ending ``text`` with continuations (up to ``depth`` tokens) in the indexed text or
+        the store: (n, the continuations), or None."""
+        for n in reversed(self.sizes):
+            if n > len(text) - 1:
+                continue
+            key = tuple(text[-n:])
+            deep = self._useful_depth(n, depth)
+            conts = self._text.continuations(key, deep, MAX_OCCURRENCES)
+            conts += self.store.index.continuations(key, deep, MAX_OCCURRENCES)
+            if conts:
+                return n, conts
+        return None
+
     def _sync(self, history: Sequence[int]) -> None:
         """Index the text's new tokens; a text that does not continue the indexed one is a new generation."""
         toks = self._text.tokens
