@@ -94,22 +94,19 @@ class PromptLookupDrafter:
     def propose(self, history: Sequence[int], *, model, cache, skip, budget: int,
                 sampler: Sampler) -> DraftOutcome | None:  # fmt: skip
         self._update_index(history)
-        for n in reversed(self.sizes):
-            if n > len(history) - 1:
-                continue
-            start = self._index.get(tuple(history[-n:]))
-            if start is None:
-                continue
-            k = min(self._length(n), budget, len(history) - start)
-            if k < 1:
-                return None
-            self.last_gain = self._gain(n, k)
-            draft = list(history[start : start + k])
-            self._last_n = n
-            q = self._point_masses(draft, model) if sampler.records_q else None
-            tree = DraftTree.chain(int(history[-1]), draft, q)
-            return DraftOutcome(tree, [1.0] * k, {}, k, passes=0)
-        return None
+        match = self._match(history)
+        if match is None:
+            return None
+        n, start = match
+        k = min(self._length(n), budget, len(history) - start)
+        if k < 1:
+            return None
+        self.last_gain = self._gain(n, k)
+        draft = list(history[start : start + k])
+        self._last_n = n
+        q = self._point_masses(draft, model) if sampler.records_q else None
+        tree = DraftTree.chain(int(history[-1]), draft, q)
+        return DraftOutcome(tree, [1.0] * k, {}, k, passes=0)
 
     def match_value(self, history: Sequence[int], extra: Sequence[int]) -> tuple[float, float]:
         """(gain as :attr:`last_gain`, expected accepted tokens + 1) of the draft :meth:`propose` would make after
@@ -118,19 +115,12 @@ class PromptLookupDrafter:
         each token a layer-skip chain drafts, ``extra`` being that chain)."""
         if not extra or len(self._history) != len(history) or self._costs is None:
             return 0.0, 0.0
-        tail = [*history[-self.sizes[-1] :], *extra]
-        for n in reversed(self.sizes):
-            if n > len(tail) - 1:
-                continue
-            start = self._index.get(tuple(tail[-n:]))
-            if start is None:
-                continue
-            k = min(self._length(n), len(history) - start)
-            if k < 1:
-                return 0.0, 0.0
-            gain = self._gain(n, k)
-            return gain, gain * self._costs.ratio(k + 1)
-        return 0.0, 0.0
+        match = self._match([*history[-self.sizes[-1] :], *extra])
+        k = min(self._length(match[0]), len(history) - match[1]) if match is not None else 0
+        if k < 1:
+            return 0.0, 0.0
+        gain = self._gain(match[0], k)
+        return gain, gain * self._costs.ratio(k + 1)
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip
@@ -145,6 +135,15 @@ class PromptLookupDrafter:
         self._accepted[n] += len(path) - 1
 
     # -- internals ------------------------------------------------------------------------------
+    def _match(self, text: Sequence[int]) -> tuple[int, int] | None:
+        """The longest indexed n-gram ending ``text``: (n, where its continuation starts), or None."""
+        for n in reversed(self.sizes):
+            if n <= len(text) - 1:
+                start = self._index.get(tuple(text[-n:]))
+                if start is not None:
+                    return n, start
+        return None
+
     def _update_index(self, history: Sequence[int]) -> None:
         """Index every n-gram that ends before the last token: n-gram -> where its continuation starts (the
         latest occurrence wins).  A history that is not a continuation of the indexed one is indexed afresh."""
