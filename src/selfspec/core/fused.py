@@ -134,6 +134,8 @@ class FusedStack:
                     m.qweight.restore_rows()
                 else:
                     m.qweight.release_rows()
+        # run() re-releases when a read outside the stack rebuilt them (this one's flag stands for all)
+        self._released = self.layers[0].linears[0].qweight.rows_released
         self._keep.clear()
         self._structs = (_Layer * len(self.layers))(*(self._struct(layer) for layer in self.layers))
         self._low_structs = None  # remade on next use, for this mode
@@ -238,6 +240,8 @@ class FusedStack:
         (drafts only): the layers' 8-bit weights read from their 4-bit copies (:meth:`has_low_bit`)."""
         if self.int8 != int8_activations():  # the process-wide mode changed since the structs were made
             self._describe(not self.int8)
+        elif self._released and not self.layers[0].linears[0].qweight.rows_released:
+            self._describe(self.int8)  # a pass outside the stack (fp32 tiles, while the mode was switched) read them
         if prompt and self.released_bytes:  # the blocked prompt kernel (asked for after load) reads row forms
             self._describe(self.int8, release=False)
         h = h.to(torch.float32, copy=True, memory_format=torch.contiguous_format)  # written in place

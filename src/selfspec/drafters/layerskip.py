@@ -340,10 +340,17 @@ def draft_round(
         chain_probs.append(prob)
         if tree is not None and tree.economy is not None:
             path_prob *= tree.economy.chain.prob(prob)
-        if length.should_stop(len(chain_probs), prob) or draws[0] in stop:
+        if length.should_stop(len(chain_probs), prob) or draws[0] in stop or (until and until(tokens[1:])):
             break
-        if until is not None and until(tokens[1:]):
-            break
+    outcome = _with_leaves(tokens, parents, qs, chain_probs, leaf_nodes, sampler)
+    if hidden is not None:
+        _verify_by_head(engine, cache, start, outcome, hidden)
+    return outcome
+
+
+def _with_leaves(tokens: list[int], parents: list[int], qs: list, chain_probs: list[float],
+                 leaf_nodes: list[tuple[int, list[tuple[int, float]]]], sampler: Sampler) -> DraftOutcome:  # fmt: skip
+    """The round's tree: the drafted chain, then each chain node's extra children (the leaves) after it."""
     leaf_probs: dict[int, float] = {}
     for chain_node, extras in leaf_nodes:
         for tok, prob in extras:
@@ -352,10 +359,7 @@ def draft_round(
             parents.append(chain_node)
             qs.append(None)
     tree_q = tuple(qs) if sampler.records_q else ()
-    outcome = DraftOutcome(DraftTree(tuple(tokens), tuple(parents), tree_q), chain_probs, leaf_probs, len(chain_probs))
-    if hidden is not None:
-        _verify_by_head(engine, cache, start, outcome, hidden)
-    return outcome
+    return DraftOutcome(DraftTree(tuple(tokens), tuple(parents), tree_q), chain_probs, leaf_probs, len(chain_probs))
 
 
 def _head_only_states(engine, skip: SkipSet, precision: torch.dtype | None, root: int) -> list | None:
