@@ -325,10 +325,11 @@ static inline __attribute__((always_inline)) __m256i dots_vnni256(const int NW, 
 static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8], const int32_t *xg) {
 #ifdef SELFSPEC_AVXVNNI
     return dots_vnni256(8, w, xg);
-#endif
+#else
     __m256i p = _mm256_setzero_si256(); /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
     for (int j = 0; j < 8; j++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xg[j])));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
 }
 
 static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg,
@@ -338,7 +339,7 @@ static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const
     __m256i w[8];
     for (int j = 0; j < G / 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
     return dots_vnni256(G / 4, w, xg);
-#endif
+#else
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < G / 4; j++) {
@@ -348,6 +349,7 @@ static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const
                                                   ones16));
     }
     return _mm256_add_epi32(s, _mm256_set1_epi32(128 * xsum)); /* back to the codes + 128 */
+#endif
 }
 
 /* The 8 scales or minima of rows 8h..8h+7 of group g, as scales16 (halves widened by F16C's vcvtph2ps) */
@@ -367,7 +369,7 @@ static inline __attribute__((always_inline)) __m256 scales8(const void *p, long 
 static inline __attribute__((always_inline)) __m256i sums_small(const int NW, const __m256i *w, const int32_t *xg) {
 #ifdef SELFSPEC_AVXVNNI
     return dots_vnni256(NW, w, xg);
-#endif
+#else
     const __m256i ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < NW; j += 2) {
@@ -376,6 +378,7 @@ static inline __attribute__((always_inline)) __m256i sums_small(const int NW, co
         s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones16));
     }
     return s;
+#endif
 }
 
 /* One half (c: its first byte) of a compact group's codes as words: the nibbles with the high group's bits of word j
