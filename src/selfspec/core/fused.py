@@ -134,11 +134,14 @@ class FusedStack:
                     m.qweight.restore_rows()
                 else:
                     m.qweight.release_rows()
-        # run() re-releases when a read outside the stack rebuilt them (this one's flag stands for all)
-        self._released = self.layers[0].linears[0].qweight.rows_released
+        self._released = self._first_released()  # run() re-releases when a read outside the stack rebuilt them
         self._keep.clear()
         self._structs = (_Layer * len(self.layers))(*(self._struct(layer) for layer in self.layers))
         self._low_structs = None  # remade on next use, for this mode
+
+    def _first_released(self) -> bool:
+        """Whether the first product's weight holds its interleaved copy only (it stands for every layer's)."""
+        return self.layers[0].linears[0].qweight.rows_released
 
     @property
     def has_low_bit(self) -> bool:
@@ -240,7 +243,7 @@ class FusedStack:
         (drafts only): the layers' 8-bit weights read from their 4-bit copies (:meth:`has_low_bit`)."""
         if self.int8 != int8_activations():  # the process-wide mode changed since the structs were made
             self._describe(not self.int8)
-        elif self._released and not self.layers[0].linears[0].qweight.rows_released:
+        elif self._released and not self._first_released():
             self._describe(self.int8)  # a pass outside the stack (fp32 tiles, while the mode was switched) read them
         if prompt and self.released_bytes:  # the blocked prompt kernel (asked for after load) reads row forms
             self._describe(self.int8, release=False)
