@@ -192,3 +192,53 @@ def test_a_chain_ends_at_a_drafted_end_of_sequence_token(smollm2):
     assert len(free) == 6
     assert chain({free[2]}) == free[:3]
     assert chain(smollm2.eos_token_ids - set(free)) == free  # stop tokens never drafted change nothing
+
+
+@pytest.mark.parametrize("acts", ["int8", "float32"])
+def test_restore_takes_the_subset_back_to_an_earlier_state(acts):
+    """``learned`` / ``restore``: the subset goes back to the base plus the ids learned by then, in their order,
+    and scores them as before, however it grew since (past its allocation too) and on whichever product."""
+    from selfspec.core.quant import activations
+
+    head = quantize_weight(torch.randn(3008, 64, generator=torch.Generator().manual_seed(0)), 8)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    with activations(acts):
+        vocab = DraftVocabulary(head, base=100)
+        vocab.add(torch.tensor([2500, 1999]))
+        before, product = vocab.learned(), vocab.product(x)
+        vocab.add(torch.arange(400, 700))
+        vocab.add(torch.tensor([3001]))
+        vocab.restore(before)
+        assert vocab.learned() == before and vocab.size == 102
+        assert int(vocab.member.sum()) == 102 and not vocab.member[450] and vocab.member[2500]
+        assert vocab.columns(torch.tensor([450, 1999])).tolist() == [before.index(1999) + 100]
+        assert torch.equal(vocab.product(x), product)
+        vocab.add(torch.tensor([450]))  # it grows again from there
+        assert vocab.learned() == [*before, 450]
+        assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
+
+
+def test_a_benchmarked_method_drafts_with_the_vocabulary_its_own_runs_grew(gemma3):
+    """The draft vocabulary is the engine's and learns every token the model reads.  In a benchmark each method
+    starts from what its own generations added, not from the answer the method before it gave to the same
+    prompt (Gemma 3: its base ids hold 62% of its answers' tokens): the tokens vanilla's answer brought in are outside the subset when `vocab` starts, inside after."""
+    from selfspec.bench.runner import _Runner
+    from selfspec.bench.spec import BenchMethod
+    from selfspec.core.sampling import SamplingParams
+    from selfspec.datasets import load_prompts
+
+    vocab = gemma3.engine.draft_vocab
+    vocab.restore([])
+    methods = [BenchMethod("vanilla", label="vanilla"), BenchMethod("vocab", label="vocab")]
+    runner = _Runner(gemma3, methods, 48, SamplingParams())
+    item = load_prompts("spec-bench", limit=1, categories=["mt_bench"], chat=False)[0]
+    base = runner.record(0, item, methods[0], runner.session(methods[0]))
+    new = set(base.token_ids) - set(gemma3.encode(item.prompt)) - set(range(vocab.base_size))
+    assert new and all(vocab.member[t] for t in new), "vanilla's answer grew the vocabulary"
+    runner.own_vocabulary(methods[1])
+    assert not any(vocab.member[t] for t in new), "vocab starts without the tokens of vanilla's answer"
+    out = runner.record(0, item, methods[1], runner.session(methods[1]))
+    assert out.token_ids == base.token_ids and all(vocab.member[t] for t in new)
+    runner.own_vocabulary(methods[0])
+    assert sorted(vocab.learned()) == sorted(runner.learned["vanilla"])
+    vocab.restore([])

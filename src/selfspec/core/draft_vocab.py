@@ -58,6 +58,26 @@ class DraftVocabulary:
         self.add(torch.arange(min(base, self.vocab_size)))
         if not self._hold_rows:
             self._repack(0, self.capacity)  # at load: a first draft would pay it (20 ms on SmolLM2)
+        self.base_size = self.size
+
+    def learned(self) -> list[int]:
+        """The ids added after the base, in the order they came (what :meth:`restore` takes back)."""
+        return self.ids[self.base_size : self.size].tolist()
+
+    def restore(self, learned: list[int]) -> None:
+        """The subset as the base plus ``learned`` (a :meth:`learned` of earlier): every other id is dropped.
+        A benchmark gives each method the vocabulary its own generations grew, so that no method drafts with
+        tokens another one's answer to the same prompt brought in (bench/runner.py)."""
+        if self.learned() == list(learned):
+            return
+        dropped = self.ids[self.base_size : self.size]
+        self.member[dropped] = False
+        self._column[dropped] = -1
+        for t in dropped.tolist():
+            self._known[t] = 0
+        self.size = self.base_size  # rows past it are stale until rewritten; products read only the first size
+        if learned:
+            self._append(torch.tensor(list(learned), dtype=torch.int64))
 
     def _allocate(self, rows: int) -> None:
         """Room for ``rows`` rows (rounded up to whole blocks of 16, zero beyond the subset), keeping the ones
@@ -171,7 +191,10 @@ class DraftVocabulary:
         ids = ids[~self.member[ids]]
         if len(ids) == 0:
             return
-        ids = torch.unique(ids)[: self.limit - self.size]
+        self._append(torch.unique(ids)[: self.limit - self.size])
+
+    def _append(self, ids: torch.Tensor) -> None:
+        """Rows for ``ids`` (distinct, none in the subset yet) after the subset's, in that order."""
         if self.size + len(ids) > self.capacity:
             self._allocate(min(self.limit, max(2 * self.capacity, self.size + len(ids))))
         lo, hi = self.size, self.size + len(ids)
