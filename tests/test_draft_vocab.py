@@ -221,7 +221,8 @@ def test_restore_takes_the_subset_back_to_an_earlier_state(acts):
 def test_a_benchmarked_method_drafts_with_the_vocabulary_its_own_runs_grew(gemma3):
     """The draft vocabulary is the engine's and learns every token the model reads.  In a benchmark each method
     starts from what its own generations added, not from the answer the method before it gave to the same
-    prompt (Gemma 3: its base ids hold 62% of its answers' tokens): the tokens vanilla's answer brought in are outside the subset when `vocab` starts, inside after."""
+    prompt (Gemma 3: its base ids hold 62% of its answers' tokens): the tokens vanilla's answer brought in are
+    outside the subset when `vocab` starts, inside after."""
     from selfspec.bench.runner import _Runner
     from selfspec.bench.spec import BenchMethod
     from selfspec.core.sampling import SamplingParams
