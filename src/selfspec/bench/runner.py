@@ -150,12 +150,16 @@ class _Runner:
                                   seed=s.seed, sampling_scheme=s.scheme)  # fmt: skip
         return tuple(result.token_ids), result.text, result.stats.to_dict()
 
+    def drafts_with_vocabulary(self, method: BenchMethod) -> bool:
+        """Whether ``method`` runs on this engine's draft vocabulary (ours, on a model that has one)."""
+        return self.vocab is not None and not method.is_peer
+
     def own_vocabulary(self, method: BenchMethod) -> None:
         """Before a method's generation: the draft vocabulary as its own generations grew it.  It is one per
         engine and takes in every token the model reads, so after vanilla's answer to a prompt it would hold that
         answer's rare words, and a self-draft run next on the same prompt would never miss one (Qwen: 5% of
         answer tokens lie outside the base ids, a miss ends the chain's accepted part)."""
-        if self.vocab is None or method.is_peer:
+        if not self.drafts_with_vocabulary(method):
             return
         if self.learned_before is None:
             self.learned_before = self.vocab.learned()
@@ -174,7 +178,7 @@ class _Runner:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
         elapsed = time.perf_counter() - t0
         mem = self.memory.stop()
-        if self.vocab is not None and not method.is_peer:
+        if self.drafts_with_vocabulary(method):
             self.learned[method.label] = self.vocab.learned()
         return PromptRecord(
             index=index,
