@@ -9,6 +9,7 @@ from conftest import tiny_model
 from selfspec.core.skipset import SkipSet
 from selfspec.cost.costs import CostProfile, DraftCosts, _non_decreasing, measure_profile
 from selfspec.cost.economy import Calibration, Economy, VerifyCurve
+from selfspec.decoding import batch_share
 from selfspec.drafters.layerskip import CostAwareExit, CostAwareTreeWidths, PaperTreeWidths
 
 
@@ -240,3 +241,24 @@ def test_the_cost_correction_is_what_draft_steps_and_verifications_really_take()
     assert econ.cost_correction() == pytest.approx(2.0, rel=1e-3)
     econ.rebind(2.5)  # another skip set: the correction stays
     assert econ.cost_correction() == pytest.approx(2.0, rel=1e-3)
+
+
+def test_beside_other_requests_a_round_is_priced_as_its_share_of_the_batch():
+    """In a batch of 4 (decoding/batch_share.py) a plain round costs a sequence a quarter of the pass it waited
+    for: a draft of 3 steps run alone (the others wait) for 3 tokens loses there, where alone it pays."""
+    prof = _profile()
+    econ = Economy(prof, 5.0)
+    alone = econ.batch_gain(tokens=3, draft_ms=15.0, verify_ms=40.0, verified=4)  # (as if one member)
+    batch_share.record(batch_share.Share(members=4, rows_beside=3))
+    try:
+        share = 40.0 / 4
+        extra = econ.verify_ms(4) - econ.verify_ms(1)
+        assert econ.batch_gain(tokens=1, draft_ms=0.0, verify_ms=40.0, verified=1) == pytest.approx(1.0)
+        gain = econ.batch_gain(tokens=3, draft_ms=15.0, verify_ms=40.0, verified=4)
+        assert gain == pytest.approx(3 * share / (share + 15.0 + extra)) and gain < 1.0 < alone
+        for _ in range(4):  # the clock's judgement of drafting rounds uses the same price in a batch
+            econ.observe(tokens=3, round_ms=55.0, draft_steps=3, draft_ms=15.0, verified=4, verify_ms=40.0,
+                         first_kept=True)  # fmt: skip
+        assert econ.draft_gain == pytest.approx(gain, rel=0.02) and econ.drafting_loses()
+    finally:
+        batch_share.reset()

@@ -155,6 +155,32 @@ def test_a_head_only_rounds_gain_counts_the_whole_round_against_a_vanilla_step()
 
 
 
+def test_beside_other_requests_a_layer_skip_round_is_priced_as_its_share_of_the_batch():
+    """The same round (3 draft steps, 4 tokens) that earns 1.5 vanilla steps' worth alone loses in a batch of 4,
+    where its draft steps hold every member and a plain round costs it a quarter of the pass."""
+    from test_economy import _profile
+
+    from selfspec.cost.economy import Economy
+    from selfspec.decoding import batch_share
+
+    drafted = DraftOutcome(DraftTree.chain(4, [1, 2, 3]), [0.9] * 3, {}, 3)
+    gains = []
+    for members, verify_ms in ((1, 22.0), (4, 40.0)):  # a 4-row pass alone; beside 3 others' one-row rounds
+        layerskip = DeclineToDraft()
+        layerskip.economy = Economy(_profile(), 10.0)
+        hybrid = HybridDrafter(PromptLookupDrafter(), layerskip)
+        batch_share.record(batch_share.Share(members=members, rows_beside=members - 1))
+        try:
+            for _ in range(20):
+                hybrid._source = "layerskip"
+                hybrid.observe(drafted, [0, 1, 2, 3], tokens=4, round_ms=30.0 + verify_ms, draft_ms=30.0,
+                               verify_ms=verify_ms)  # fmt: skip
+        finally:
+            batch_share.reset()
+        gains.append(hybrid.skip_gain)
+    assert gains[0] > 1.0 > gains[1]
+
+
 def test_asds_choice_drives_autos_layer_skip_source(tiny_llama):
     """Within auto, ASD's automatic policy sets its layer-skip source's draft length and reads that source's
     measured costs, as when ASD drafts alone (bound to the hybrid it once found neither, and its source drafted by

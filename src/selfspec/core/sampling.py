@@ -103,6 +103,17 @@ Seen = Sequence[torch.Tensor] | None  # per row: the token ids of its history (f
 Columns = Callable[[torch.Tensor], torch.Tensor]  # token ids -> their columns in a subset's logits (absent: dropped)
 
 
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """Each row's argmax over the last dimension (the first of equal maxima, as ``torch.argmax``), as ints.
+
+    A CPU float tensor goes through numpy, whose vectorised argmax takes a tenth of torch's time on our CPUs
+    (6 x 49152 logits: 15 us against 170; 4 x 151936: 29 against 344): every greedy round pays it on each
+    verified row, so it was up to a twentieth of a verification on a 150k-token vocabulary."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
+        return x.numpy().argmax(-1).tolist()
+    return x.argmax(-1).tolist()
+
+
 def scaled_logits(logits: torch.Tensor, params: SamplingParams, seen: Seen = None) -> torch.Tensor:
     """Log-weights ``[..., V]`` (float32, ``-inf`` outside the kept set) that a token is drawn from.
 
@@ -367,7 +378,7 @@ class Sampler:
         """The full model's token after each row of ``logits`` ``[T, V]``: argmax (greedy) or argmax of the
         log-weights plus the position's noise (coupled).  Not for the rejection scheme."""
         if self.greedy:
-            return logits.argmax(-1).tolist()
+            return argmax_rows(logits)
         assert self.noise is not None, "the rejection scheme samples during acceptance"
         x = logits.float()
         seen = self._seen(histories, logits.device)
@@ -375,7 +386,7 @@ class Sampler:
             x = _penalise(x.clone(), seen, self.params.repetition_penalty)
         if self.noise.whole_rows:
             g = torch.stack([self.noise.vector(t) for t in positions])
-            return (cut(x / self.params.temperature, self.params) + g).argmax(-1).tolist()
+            return argmax_rows(cut(x / self.params.temperature, self.params) + g)
         temperature, keys = self.params.temperature, self.noise.keys(positions, x.device)
         floor = x.amax(-1, keepdim=True) - REACH * temperature  # every token that can win lies above (REACH)
         if not self.params.cuts:  # all kept: the top few tokens' scores raise the floor (see perturbed_topk)

@@ -135,6 +135,17 @@ class Economy:
         """What a token is worth: a round's time per token, shared by the sequences of a batch."""
         return self.ms_per_token / batch_share.current().members
 
+    def batch_gain(self, tokens: int, draft_ms: float, verify_ms: float, verified: int) -> float:
+        """A round's tokens per plain round's worth of time, in a batch of concurrent requests
+        (:mod:`selfspec.decoding.batch_share`): the batch's pass runs for every member whether this one drafts or
+        not, so a plain round costs this sequence its share of the pass (``verify_ms``, the pass as this round
+        waited for it, over the members) and earns one token; a drafting round costs that share, plus its draft
+        steps (run alone while every other member waits) and what its extra rows add to the pass.  1 is
+        break-even, as alone."""
+        share = verify_ms / batch_share.current().members
+        spent = share + draft_ms + self.verify_ms(verified) - self.verify_ms(1)
+        return tokens * share / max(spent, 1e-6)
+
     def drafting_loses(self, rounds: int = 4) -> bool:
         """Whether drafting rounds, as measured over at least ``rounds`` of them, earn fewer tokens per unit
         of time than plain rounds do (the rounds' clock, not a model of it, has the last word)."""
@@ -199,8 +210,11 @@ class Economy:
             if self.draft_ms_predicted > 0:
                 self.draft_scale = _ema(self.draft_scale, draft_ms / draft_steps / self.draft_ms_predicted, w)
             if round_ms > 0:
-                plain = self.plain_round_ms or self.verify_scale * self.profile.forward(1)
-                self.draft_gain = _ema(self.draft_gain, tokens * plain / round_ms, self.GAIN_SMOOTHING)
+                if batch_share.current().members > 1:
+                    gain = self.batch_gain(tokens, draft_ms, verify_ms, verified)
+                else:
+                    gain = tokens * (self.plain_round_ms or self.verify_scale * self.profile.forward(1)) / round_ms
+                self.draft_gain = _ema(self.draft_gain, gain, self.GAIN_SMOOTHING)
                 self.draft_rounds += 1
         beside = batch_share.current().rows_beside
         predicted = self._verification(verified) if beside == 0 else self.profile.forward(beside + verified)

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from ..core.sampling import GREEDY_SAMPLER, Sampler
+from ..decoding import batch_share
 from ..decoding.protocols import DraftOutcome
 from .layerskip import Drafter as LayerSkipDrafter
 from .lookup import PromptLookupDrafter
@@ -157,8 +158,11 @@ class HybridDrafter:
         # a vanilla step: not this round's verification, which a head-only round (drafters/layerskip.py)
         # makes inside its draft (draft_ms + verify_ms holds the whole round either way)
         econ = self.layerskip.economy
-        step_ms = econ.verify_ms(1) if econ is not None else self._step_ms or verify_ms
-        gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
+        if econ is not None and batch_share.current().members > 1:  # beside other requests: priced as a share
+            gain = econ.batch_gain(tokens, draft_ms, verify_ms, len(outcome.tree))
+        else:
+            step_ms = econ.verify_ms(1) if econ is not None else self._step_ms or verify_ms
+            gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
         if source == "lookup" and 0 < self._predicted < float("inf"):
             ratio = min(max(gain / self._predicted, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
             self.lookup_calibration = (1 - SMOOTHING) * self.lookup_calibration + SMOOTHING * ratio
