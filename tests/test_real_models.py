@@ -172,3 +172,19 @@ def test_chosen_kernels_give_the_tokens_of_torchs_own(smollm2_fp32):
         fast = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=40)
         assert selfspec.generate(plain, item.prompt, "vanilla", max_new_tokens=40).token_ids == fast.token_ids
         assert selfspec.generate(model, item.prompt, "swift", max_new_tokens=40).token_ids == fast.token_ids
+
+
+def test_the_pieces_count_every_token_whatever_rounds_it_came_in(smollm2):
+    """A Spec-Bench answer that ends at the end-of-sequence token: vanilla produces that token alone in a round
+    (no new text), auto beside other tokens; the pieces' counts (a server's usage) are the same for both and
+    equal the generation's tokens."""
+    item = next(p for p in load_prompts("spec-bench", limit=4, categories=["qa"]) if p.id == "qa-324")
+    counts = []
+    for method in ("vanilla", "auto"):
+        session = selfspec.Session(smollm2, method, prefix_cache=0)
+        pieces = list(session.pieces(item.prompt, max_new_tokens=128))
+        result = session.last_result
+        assert result.stats.stop_reason == "eos" and "".join(p.text for p in pieces) == result.text
+        assert sum(p.tokens for p in pieces) == len(result.token_ids)
+        counts.append(len(result.token_ids))
+    assert counts[0] == counts[1]

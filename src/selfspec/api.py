@@ -155,8 +155,11 @@ class Session:
             rounds.close()
         final = self.model.decode(ids)
         self.last_result = GenerationResult(final, tuple(ids), decoder.stats)
-        if len(final) > len(shown) and final.startswith(shown):
-            yield Piece(final[len(shown) :], tokens, drafted)
+        # the last tokens even where they add no text (an end-of-sequence token): the pieces' counts sum to the
+        # generation's tokens whatever rounds they came in (a server's usage is the same for every method)
+        tail = final[len(shown) :] if final.startswith(shown) else ""
+        if tail or tokens:
+            yield Piece(tail, tokens, drafted)
 
 
 @dataclass(frozen=True)
