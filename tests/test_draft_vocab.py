@@ -243,3 +243,33 @@ def test_a_benchmarked_method_drafts_with_the_vocabulary_its_own_runs_grew(gemma
     runner.own_vocabulary(methods[0])
     assert sorted(vocab.learned()) == sorted(runner.learned["vanilla"])
     vocab.restore([])
+
+
+def test_second_turns_are_timed_without_the_answer_in_the_draft_vocabulary(gemma3, monkeypatch):
+    """``selfspec bench --turns 2`` times each second turn several times both ways: every timed answer starts
+    from the vocabulary as the first turn left it, never holding the answer an earlier repeat gave."""
+    from selfspec.bench import turns
+    from selfspec.bench.spec import parse_methods
+    from selfspec.core.sampling import SamplingParams
+
+    vocab = gemma3.engine.draft_vocab
+    vocab.restore([])
+    entries, answers, timed = [], [], turns._timed
+
+    def spy(session, prompt, max_new_tokens, sampling):
+        entries.append(sorted(vocab.learned()))
+        out = timed(session, prompt, max_new_tokens, sampling)
+        answers.append((set(session.last_result.token_ids), set(gemma3.encode(prompt))))
+        return out
+
+    monkeypatch.setattr(turns, "_timed", spy)
+    question = turns.two_turn_questions("spec-bench", limit=1)[0]
+    records = turns.run_turns(gemma3, [question], parse_methods("vanilla,vocab"), 48, SamplingParams(), repeats=2)
+    assert all(r.identical for r in records) and len(entries) == 8
+    for method in (0, 1):  # 4 timed answers per method, all from one state
+        states = entries[4 * method : 4 * method + 4]
+        assert all(s == states[0] for s in states)
+        answer, prompt = answers[4 * method]
+        fresh = answer - prompt - set(range(vocab.base_size))
+        assert fresh and not fresh & set(states[0]), "the second turn's own new words are not in it yet"
+    vocab.restore([])

@@ -10,8 +10,11 @@ store (the whole conversation prefilled again).  Per method: time to first token
 text) and end-to-end tokens/s of the second turn both ways, their ratios, the tokens reused, and whether the
 two outputs are identical (they must be).  Each second turn is timed ``repeats`` times both ways (the reusing
 session's store reset to its state after the first turn each time) and the medians are reported: a busy
-machine's slow spells hit single runs.  (A repeat's drafts may come from the session's memory of the earlier
-ones, the suffix source's, on both sides alike: compare the ratios, not the absolute tokens/s across methods.)
+machine's slow spells hit single runs.  The draft vocabulary is set back before each timed answer to its state
+after the first turn, and each method starts from the one the run began with (as in ``selfspec bench``,
+:meth:`selfspec.bench.runner._Runner.own_vocabulary`): no draft reads the answer it is drafting from an earlier
+repeat or method.  (A repeat's drafts may still come from the suffix source's memory of the earlier ones, on both
+sides alike: compare the ratios, not the absolute tokens/s across methods.)
 """
 
 from __future__ import annotations
@@ -93,14 +96,23 @@ def _timed(session: Session, prompt: Any, max_new_tokens: int, sampling: Samplin
     return (total if first is None else first), total
 
 
+def _restore(vocab, learned) -> None:
+    if vocab is not None:
+        vocab.restore(learned)
+
+
 def run_turns(model: Model, questions: Sequence[Question], methods: Sequence[BenchMethod], max_new_tokens: int,
               sampling: SamplingParams, progress=None, repeats: int = 3) -> list[TurnRecord]:  # fmt: skip
     """Per question and method: both sessions answer turn 1 (untimed), then turn 2 is timed with reuse and
     without, interleaved so that a slow spell of the machine hits both; medians of ``repeats``."""
     records = []
+    vocab = model.engine.draft_vocab  # the engine's draft vocabulary learns every token read (core/draft_vocab.py)
+    start = vocab.learned() if vocab is not None else None
     for method in methods:
         if method.is_peer:
             raise InvalidInputError(f"--turns 2 runs our methods only, not the peer {method.label!r}")
+        if vocab is not None:  # each method from the same vocabulary, not one grown by the others' answers
+            vocab.restore(start)
         opts = {k: v for k, v in method.options.items() if k != SCHEME_OPTION}
         reuse, fresh = Session(model, method.name, **opts), Session(model, method.name, prefix_cache=0, **opts)
         for q in questions:
@@ -111,9 +123,12 @@ def run_turns(model: Model, questions: Sequence[Question], methods: Sequence[Ben
             fresh.generate(conversation(model, q, None), max_new_tokens=max_new_tokens, **sampling.as_kwargs())
             prompt = conversation(model, q, answer)
             after_turn1 = reuse.prefix_store.copy()
+            learned = vocab.learned() if vocab is not None else None
             times, same = [], True
-            for _ in range(repeats):
+            for _ in range(repeats):  # each timed answer drafts without the earlier repeats' answer in its vocabulary
+                _restore(vocab, learned)
                 fresh_times = _timed(fresh, prompt, max_new_tokens, sampling)
+                _restore(vocab, learned)
                 reuse.prefix_store = after_turn1.copy()
                 times.append((*_timed(reuse, prompt, max_new_tokens, sampling), *fresh_times))
                 got, ref = reuse.last_result, fresh.last_result
