@@ -269,7 +269,22 @@ def test_second_turns_are_timed_without_the_answer_in_the_draft_vocabulary(gemma
     for method in (0, 1):  # 4 timed answers per method, all from one state
         states = entries[4 * method : 4 * method + 4]
         assert all(s == states[0] for s in states)
-        answer, prompt = answers[4 * method]
-        fresh = answer - prompt - set(range(vocab.base_size))
-        assert fresh and not fresh & set(states[0]), "the second turn's own new words are not in it yet"
+    answer, prompt = answers[0]  # vanilla's: its vocabulary learns only the tokens read
+    fresh = answer - prompt - set(range(vocab.base_size))
+    assert fresh and not fresh & set(entries[0]), "the second turn's own new words are not in it yet"
     vocab.restore([])
+
+
+def test_a_long_session_keeps_only_the_newest_learned_ids():
+    """Past twice ``keep`` learned ids the oldest go (a server's subset does not grow to half the vocabulary),
+    and the products still score exactly the ids the subset holds."""
+    head = quantize_weight(torch.randn(3008, 64, generator=torch.Generator().manual_seed(0)), 8)
+    vocab = DraftVocabulary(head, base=100, keep=50)
+    vocab.add(torch.tensor([500, 501, 700]))
+    vocab.add(torch.arange(1000, 1097))  # 100 learned ids: at the bound, all kept
+    assert len(vocab.learned()) == 100 and vocab.member[500]
+    vocab.add(torch.tensor([2000]))  # one past it: the newest 50 stay
+    assert vocab.learned() == [*range(1048, 1097), 2000]
+    assert not vocab.member[500] and vocab.member[2000] and vocab.size == 150
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])

@@ -31,6 +31,10 @@ DRAFT_VOCAB_ENV = "SELFSPEC_DRAFT_VOCAB"
 BASE_ROWS = 16384  # the lowest ids every draft scores
 MIN_VOCAB = 2 * BASE_ROWS  # smaller vocabularies keep the full head (the subset would save little)
 MAX_SHARE = 0.5  # the subset stops growing at this share of the vocabulary
+# learned ids (the tokens read) kept beyond the base: past twice this many the oldest go, so that a long session's
+# subset stays near the base's cost (a server reading ~30 new ids a request would otherwise grow it to its limit,
+# half the vocabulary: Qwen's 76k rows, 4.7x the base's bytes in every draft step; 4096 rows are ~2% of a step)
+LEARNED_KEEP = 4096
 ADD_CHUNK = 2048  # rows copied from the head at a time
 
 
@@ -41,8 +45,8 @@ def enabled() -> bool:
 class DraftVocabulary:
     """Rows of a quantised LM head ``[V, hidden]`` for a growing subset of token ids."""
 
-    def __init__(self, head: QuantWeight, *, base: int = BASE_ROWS) -> None:
-        self.head = head
+    def __init__(self, head: QuantWeight, *, base: int = BASE_ROWS, keep: int = LEARNED_KEEP) -> None:
+        self.head, self.keep = head, keep
         self.vocab_size = head.out_features
         self.limit = max(base, int(self.vocab_size * MAX_SHARE))  # rows at most
         self.member = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -55,6 +59,7 @@ class DraftVocabulary:
         # rows are read again where a block of the copy is remade); float32 products make them when first run
         self._hold_rows = not (int8_activations() and head.out_features % 16 == 0)
         self._allocate(min(self.limit, base + base // 2))
+        self.base_size = self.vocab_size  # (while the base goes in: nothing to trim)
         self.add(torch.arange(min(base, self.vocab_size)))
         if not self._hold_rows:
             self._repack(0, self.capacity)  # at load: a first draft would pay it (20 ms on SmolLM2)
@@ -192,6 +197,8 @@ class DraftVocabulary:
         if len(ids) == 0:
             return
         self._append(torch.unique(ids)[: self.limit - self.size])
+        if self.size - self.base_size > 2 * self.keep:  # the newest `keep` stay (the tokens read last among them)
+            self.restore(self.learned()[-self.keep :])
 
     def _append(self, ids: torch.Tensor) -> None:
         """Rows for ``ids`` (distinct, none in the subset yet) after the subset's, in that order."""
