@@ -161,16 +161,22 @@ def _prefill_in_batches(batcher: StepBatcher, cache: KVCache, ids: torch.Tensor,
     return logits
 
 
-def measure_pending(model: Model, pf: Prefill) -> Prefill:
+def measure_pending(model: Model, pf: Prefill, batcher: StepBatcher | None = None) -> Prefill:
     """ASD's statistic of the prompt once its reused positions without a cosine mark are measured: the full
     model runs over them again (rewriting their cache slots with the same bits) with the statistic on.  The
-    decoder does this after the first token, which needs only the keys and values."""
+    decoder does this after the first token, which needs only the keys and values.  With ``batcher`` (a server's
+    slot) the positions are read in chunks inside the batch's passes where prompt rows are exact, as a prompt is
+    (:func:`prefill`): alone, the pass held every other request for a whole prompt's time."""
     if pf.pending is None:
         return pf
     begin, end, sums = pf.pending
     out: list[SublayerCosine] = []
-    ids = torch.tensor(pf.prompt_ids[begin:end], dtype=torch.long, device=model.engine.device)
-    model.engine.forward(pf.cache, ids, begin, last_only=True, cosine_out=out, prefill=True)
+    if batcher is not None and model.engine.prompt_rows_exact:
+        ids = torch.tensor(pf.prompt_ids[:end], dtype=torch.long, device=model.engine.device)
+        _prefill_in_batches(batcher, pf.cache, ids, begin, out)
+    else:
+        ids = torch.tensor(pf.prompt_ids[begin:end], dtype=torch.long, device=model.engine.device)
+        model.engine.forward(pf.cache, ids, begin, last_only=True, cosine_out=out, prefill=True)
     sums = sums + _sums(out[0], end - begin)
     n = len(pf.prompt_ids)
     return replace(pf, cosine=_mean(sums, n), marks={**pf.marks, n: sums}, pending=None)
@@ -276,7 +282,7 @@ class Decoder:
         try:
             yield [token]
             if pf.pending is not None:  # ASD's statistic of reused positions, measured after the first token
-                pf = measure_pending(self.model, pf)
+                pf = measure_pending(self.model, pf, self._batcher)
                 skip = self._bind(pf.cosine)
             while len(out) < N and token not in eos:
                 c = cache.length  # `token` (the last bonus) sits at slot c, not yet in the cache
