@@ -264,13 +264,28 @@ def test_gemma3_prompt_longer_than_its_window(gemma3):
 
 def test_bench_second_turns_with_and_without_reuse(qtiny):
     """``selfspec bench --turns 2``'s runner: the reusing session's second turn equals the re-prefilling one's."""
+    from selfspec.bench import turns
     from selfspec.bench.spec import parse_methods
     from selfspec.bench.turns import Question, run_turns, summarize_turns
     from selfspec.core.sampling import SamplingParams
 
     questions = [Question("q1", ("Tell me about foxes and dogs, please.", "Now say it shorter."))]
-    records = run_turns(qtiny, questions, parse_methods("vanilla,suffix"), 16, SamplingParams())
+    stores, timed = [], turns._timed
+
+    def spy(session, prompt, max_new_tokens, sampling):  # what the suffix source remembers when each run starts
+        if session.method == "suffix":
+            stores.append([list(d) for d in session.draft_policy.store.docs])
+        return timed(session, prompt, max_new_tokens, sampling)
+
+    turns._timed = spy
+    try:
+        records = run_turns(qtiny, questions, parse_methods("vanilla,suffix"), 16, SamplingParams())
+    finally:
+        turns._timed = timed
     summary = summarize_turns(records)
     assert set(summary) == {"vanilla", "suffix"}
     for s in summary.values():
         assert s["identical"] and s["reused_tokens"] > 0 and s["ttft_ratio"] > 0
+    # each side's three timed runs start from the store the first turn left, not one holding the last run's answer
+    assert len(stores) == 6
+    assert all(st == stores[0] for st in stores[0::2]) and all(st == stores[1] for st in stores[1::2])

@@ -10,11 +10,11 @@ store (the whole conversation prefilled again).  Per method: time to first token
 text) and end-to-end tokens/s of the second turn both ways, their ratios, the tokens reused, and whether the
 two outputs are identical (they must be).  Each second turn is timed ``repeats`` times both ways (the reusing
 session's store reset to its state after the first turn each time) and the medians are reported: a busy
-machine's slow spells hit single runs.  The draft vocabulary is set back before each timed answer to its state
-after the first turn, and each method starts from the one the run began with (as in ``selfspec bench``,
+machine's slow spells hit single runs.  The draft vocabulary and the suffix source's memory of earlier outputs
+(:meth:`~selfspec.drafters.suffix.SuffixDrafter.memory`) are set back before each timed answer to their state
+after the first turn, and each method starts from the vocabulary the run began with (as in ``selfspec bench``,
 :meth:`selfspec.bench.runner._Runner.own_vocabulary`): no draft reads the answer it is drafting from an earlier
-repeat or method.  (A repeat's drafts may still come from the suffix source's memory of the earlier ones, on both
-sides alike: compare the ratios, not the absolute tokens/s across methods.)
+repeat or method.
 """
 
 from __future__ import annotations
@@ -96,9 +96,18 @@ def _timed(session: Session, prompt: Any, max_new_tokens: int, sampling: Samplin
     return (total if first is None else first), total
 
 
-def _restore(vocab, learned) -> None:
+def _memories(session: Session) -> list[tuple[Any, Any]]:
+    """(source, what it remembers of earlier outputs) of the session's n-gram sources with a memory (suffix)."""
+    drafter = session.draft_policy
+    sources = (drafter, getattr(drafter, "lookup", None))
+    return [(s, s.memory()) for s in sources if hasattr(s, "memory")]
+
+
+def _restore(vocab, learned, memories: list[tuple[Any, Any]]) -> None:
     if vocab is not None:
         vocab.restore(learned)
+    for source, memory in memories:
+        source.recall(memory)
 
 
 def run_turns(model: Model, questions: Sequence[Question], methods: Sequence[BenchMethod], max_new_tokens: int,
@@ -124,11 +133,12 @@ def run_turns(model: Model, questions: Sequence[Question], methods: Sequence[Ben
             prompt = conversation(model, q, answer)
             after_turn1 = reuse.prefix_store.copy()
             learned = vocab.learned() if vocab is not None else None
+            memories = [_memories(reuse), _memories(fresh)]
             times, same = [], True
             for _ in range(repeats):  # each timed answer drafts without the earlier repeats' answer in its vocabulary
-                _restore(vocab, learned)
+                _restore(vocab, learned, memories[1])  # or in an n-gram source's memory of outputs
                 fresh_times = _timed(fresh, prompt, max_new_tokens, sampling)
-                _restore(vocab, learned)
+                _restore(vocab, learned, memories[0])
                 reuse.prefix_store = after_turn1.copy()
                 times.append((*_timed(reuse, prompt, max_new_tokens, sampling), *fresh_times))
                 got, ref = reuse.last_result, fresh.last_result

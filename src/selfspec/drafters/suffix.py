@@ -26,6 +26,7 @@ each token a point mass, as in prompt lookup.
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 import math
 from collections.abc import Sequence
@@ -141,6 +142,14 @@ class SuffixDrafter:
         if self._prompt_len is not None:
             self.store.add(self._text.tokens[self._prompt_len :])
         self._text, self._prompt_len = NgramIndex(self.sizes), None
+
+    def memory(self) -> tuple:
+        """What the source holds of earlier generations (its store and the text in hand), to set back with
+        :meth:`recall`: a benchmark that times one answer several times must not draft it from its own last run."""
+        return copy.deepcopy((self.store, self._text, self._prompt_len))
+
+    def recall(self, memory: tuple) -> None:
+        self.store, self._text, self._prompt_len = copy.deepcopy(memory)
 
     def bind(self, model, skip) -> None:
         from ..cost.costs import cost_profile
