@@ -6,6 +6,7 @@ priced by the batch it runs in."""
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -72,6 +73,28 @@ LONG = ("A long prompt read in chunks: " + " ".join(f"item {i} is {i * i % 97};"
         " The last item is")  # fmt: skip
 
 
+@contextmanager
+def _beside_another_decoding(model, batcher):
+    """Inside the block the calling thread is a member of ``batcher`` and another member decodes plain steps of
+    its own sequence in a thread, so that the caller's passes share the batch."""
+    other = _prefilled(model, PROMPTS[0], room=64)
+    stepped = threading.Event()
+
+    def decode_beside():
+        with batcher.member():
+            while not stepped.is_set():
+                batcher.forward(BatchItem(other, torch.tensor([42]), other.length, last_only=True))
+
+    with batcher.member():
+        thread = threading.Thread(target=decode_beside)
+        thread.start()
+        try:
+            yield
+        finally:
+            stepped.set()
+    thread.join(60)
+
+
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_a_prompt_prefilled_in_batch_chunks_is_a_whole_prefill(name, request):
     """Beside another decoding, a prompt read in chunks of the batch's passes leaves the keys, values and last
@@ -80,20 +103,8 @@ def test_a_prompt_prefilled_in_batch_chunks_is_a_whole_prefill(name, request):
     engine, ids = model.engine, model.encode(LONG)
     alone = prefill(model, ids, max_new_tokens=8, cosine=True)  # with ASD's statistic of the prompt
     batcher = StepBatcher(engine, prompt_chunk=37)
-    other = _prefilled(model, PROMPTS[0], room=64)
-    stepped = threading.Event()
-
-    def decode_beside():  # another member's plain steps while the prompt is read
-        with batcher.member():
-            while not stepped.is_set():
-                batcher.forward(BatchItem(other, torch.tensor([42]), other.length, last_only=True))
-
-    with batcher.member():
-        thread = threading.Thread(target=decode_beside)
-        thread.start()
+    with _beside_another_decoding(model, batcher):
         chunked = prefill(model, ids, max_new_tokens=8, batcher=batcher, cosine=True)
-        stepped.set()
-    thread.join(60)
     assert torch.equal(alone.last_logits, chunked.last_logits) and alone.first_token == chunked.first_token
     for a, b in ((alone.cosine.attention, chunked.cosine.attention), (alone.cosine.mlp, chunked.cosine.mlp)):
         assert b == pytest.approx(a, abs=1e-6), "the chunks' means combine into the whole prompt's"
@@ -123,20 +134,8 @@ def test_a_reused_prefix_statistic_measured_in_batch_chunks_is_the_one_measured_
     pending = prefill(smollm2, prompt, max_new_tokens=8, cosine=True, store=store)
     assert pending.pending is not None and pending.pending[1] - pending.pending[0] > 37
     batcher = StepBatcher(smollm2.engine, prompt_chunk=16)
-    other = _prefilled(smollm2, PROMPTS[0], room=64)
-    stepped = threading.Event()
-
-    def decode_beside():
-        with batcher.member():
-            while not stepped.is_set():
-                batcher.forward(BatchItem(other, torch.tensor([42]), other.length, last_only=True))
-
-    with batcher.member():
-        thread = threading.Thread(target=decode_beside)
-        thread.start()
+    with _beside_another_decoding(smollm2, batcher):
         chunked = measure_pending(smollm2, pending, batcher)
-        stepped.set()
-    thread.join(60)
     assert batcher.stats.sequences > batcher.stats.passes, "the positions' chunks shared passes"
     for a, b in ((alone.cosine.attention, chunked.cosine.attention), (alone.cosine.mlp, chunked.cosine.mlp)):
         assert b == pytest.approx(a, abs=1e-6)
