@@ -135,8 +135,8 @@ def run_turns(model: Model, questions: Sequence[Question], methods: Sequence[Ben
             learned = vocab.learned() if vocab is not None else None
             memories = [_memories(reuse), _memories(fresh)]
             times, same = [], True
-            for _ in range(repeats):  # each timed answer drafts without the earlier repeats' answer in its vocabulary
-                _restore(vocab, learned, memories[1])  # or in an n-gram source's memory of outputs
+            for _ in range(repeats):  # each timed answer from the vocabulary and n-gram memory turn 1 left
+                _restore(vocab, learned, memories[1])
                 fresh_times = _timed(fresh, prompt, max_new_tokens, sampling)
                 _restore(vocab, learned, memories[0])
                 reuse.prefix_store = after_turn1.copy()

@@ -59,8 +59,7 @@ class DraftVocabulary:
         # rows are read again where a block of the copy is remade); float32 products make them when first run
         self._hold_rows = not (int8_activations() and head.out_features % 16 == 0)
         self._allocate(min(self.limit, base + base // 2))
-        self.base_size = self.vocab_size  # (while the base goes in: nothing to trim)
-        self.add(torch.arange(min(base, self.vocab_size)))
+        self._append(torch.arange(min(base, self.vocab_size)))
         if not self._hold_rows:
             self._repack(0, self.capacity)  # at load: a first draft would pay it (20 ms on SmolLM2)
         self.base_size = self.size
