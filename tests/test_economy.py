@@ -177,6 +177,24 @@ def test_the_verification_curve_follows_what_rounds_measure():
     assert curve.slope <= VerifyCurve.SLOPE_RANGE[1]
 
 
+def test_beside_other_requests_extra_verified_rows_are_weighed_against_the_rounds_share():
+    """In a batch of 4 a one-token round (measured at 8 ms, the whole pass) is worth a quarter of it, so two
+    extra rows, 1 ms on the curve, cost 0.5 of a round there where alone they cost 1/8 of one."""
+
+    class Linear:
+        def forward(self, tokens: int) -> float:
+            return 4.0 + 0.5 * (tokens - 1)  # ms
+
+    curve = VerifyCurve(Linear(), smoothing=1.0)
+    curve.observe(1, 8.0)
+    assert curve.ratio(3) == pytest.approx(1.0 + 1.0 / 8.0)
+    batch_share.record(batch_share.Share(members=4, rows_beside=3))
+    try:
+        assert curve.ratio(3) == pytest.approx(1.0 + 1.0 / 2.0) and curve.ratio(1) == 1.0
+    finally:
+        batch_share.reset()
+
+
 def test_prompt_lookup_stops_drafting_where_verifications_turn_out_dear():
     from types import SimpleNamespace
 

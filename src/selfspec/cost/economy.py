@@ -255,7 +255,11 @@ class VerifyCurve:
             self.slope = _ema(self.slope, measured, self.smoothing)
 
     def ratio(self, tokens: int) -> float:
-        """Cost of verifying ``tokens`` tokens in one-token rounds (1.0 for one)."""
+        """Cost of verifying ``tokens`` tokens in one-token rounds (1.0 for one).  In a batch of concurrent
+        requests (:mod:`selfspec.decoding.batch_share`) a one-token round of this sequence is worth its share of
+        the pass (the round's measured time over the members), what its extra rows are weighed against: they
+        hold up every member."""
         if tokens <= 1:
             return 1.0
-        return 1.0 + self.slope * (self.profile.forward(tokens) - self.profile.forward(1)) / self.one_ms
+        share = self.one_ms / batch_share.current().members
+        return 1.0 + self.slope * (self.profile.forward(tokens) - self.profile.forward(1)) / share
