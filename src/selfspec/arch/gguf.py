@@ -67,6 +67,7 @@ def gguf_metadata(path: Path, meta_dir: Path) -> Path:
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
 _STRING, _ARRAY = 8, 9
+_SCALAR_FORMATS = {4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # the values rope scaling keys take
 
 
 class _HeaderWalker:
@@ -103,8 +104,9 @@ class _HeaderWalker:
             raise self.bad(f"unknown value type {kind}")
 
 
-def _walk_header(buf, path: Path, bad) -> tuple[str, list[tuple[str, int, tuple[int, ...], int]], int]:
-    """(architecture, [(name, type number, shape, offset in the data)], where the data starts)."""
+def _walk_header(buf, path: Path, bad) -> tuple[str, list[tuple[str, int, tuple[int, ...], int]], int, dict]:
+    """(architecture, [(name, type number, shape, offset in the data)], where the data starts, the rotary
+    scaling keys: ``{suffix after "rope.scaling.": value}``)."""
     h = _HeaderWalker(buf, bad)
     if bytes(buf[:4]) != b"GGUF":
         raise SelfspecError(f"{path} is not a GGUF file (bad magic)")
@@ -112,7 +114,7 @@ def _walk_header(buf, path: Path, bad) -> tuple[str, list[tuple[str, int, tuple[
     version, n_tensors, n_kv = h.unpack("IQQ")
     if version < 2:
         raise SelfspecError(f"{path}: GGUF version {version} is not supported (2 or newer)")
-    arch, alignment = "", 32
+    arch, alignment, rope = "", 32, {}
     for _ in range(n_kv):
         key = h.string()
         (kind,) = h.unpack("I")
@@ -120,6 +122,10 @@ def _walk_header(buf, path: Path, bad) -> tuple[str, list[tuple[str, int, tuple[
             arch = h.string()
         elif key == "general.alignment" and kind == 4:
             (alignment,) = h.unpack("I")
+        elif ".rope.scaling." in key and kind == _STRING:
+            rope[key.split(".rope.scaling.", 1)[1]] = h.string()
+        elif ".rope.scaling." in key and kind in _SCALAR_FORMATS:
+            rope[key.split(".rope.scaling.", 1)[1]] = h.unpack(_SCALAR_FORMATS[kind])[0]
         else:
             h.skip(kind)
     infos = []
@@ -129,13 +135,21 @@ def _walk_header(buf, path: Path, bad) -> tuple[str, list[tuple[str, int, tuple[
         shape = h.unpack(f"{n_dims}Q")
         qtype, offset = h.unpack("IQ")
         infos.append((name, qtype, tuple(int(d) for d in shape), offset))
-    return arch, infos, (h.pos + alignment - 1) // alignment * alignment
+    return arch, infos, (h.pos + alignment - 1) // alignment * alignment, rope
 
 
 def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...], int, int]]]:
     """The GGUF architecture name, and (name, type name, shape as stored [in, out], file offset, bytes) of every
-    tensor.  A small header walk of our own: ``gguf.GGUFReader`` parses every metadata array into numpy
-    objects (13 s for a 262k-token vocabulary), where we need two values and the tensor table."""
+    tensor (see :func:`_read_header`)."""
+    arch, tensors, _ = _read_header(path)
+    return arch, tensors
+
+
+def _read_header(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...], int, int]], dict]:
+    """The GGUF architecture name, (name, type name, shape as stored [in, out], file offset, bytes) of every
+    tensor, and the rotary scaling keys (``{"type": "linear", "factor": 8.0}``; empty where none).  A small
+    header walk of our own: ``gguf.GGUFReader`` parses every metadata array into numpy objects (13 s for a
+    262k-token vocabulary), where we need a few values and the tensor table."""
     import mmap
 
     import gguf
@@ -149,7 +163,7 @@ def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...]
         except ValueError:
             raise bad("empty file") from None
     try:
-        arch, infos, start = _walk_header(buf, path, bad)
+        arch, infos, start, rope = _walk_header(buf, path, bad)
         size = len(buf)
     except struct.error:
         raise bad("the header ends early") from None
@@ -166,7 +180,7 @@ def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...]
         if start + offset + nbytes > size:
             raise SelfspecError(f"GGUF file {path} is truncated: tensor {name} ends past the end of the file")
         tensors.append((name, kind.name, shape, start + offset, nbytes))
-    return arch, tensors
+    return arch, tensors, rope
 
 
 def _raw(f, offset: int, nbytes: int) -> np.ndarray:
@@ -197,12 +211,13 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    gguf_arch, tensors = _read_tensors(path)  # first: a damaged file gets our message, not transformers'
+    gguf_arch, tensors, rope = _read_header(path)  # first: a damaged file gets our message, not transformers'
     where = gguf_metadata(path, meta_dir)
     config = AutoConfig.from_pretrained(where)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"GGUF file {path.name} holds architecture '{config.model_type}'; supported: "
                                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
+    scale_rope(config, rope_scaling(rope, path))
     tokenizer = AutoTokenizer.from_pretrained(where)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -216,8 +231,11 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     pack_layers = int8_activations() and prefill_kernel() == "rows"
     summary: dict[str, Any] = {"kept": {}, "dequantized": {}}
     quantised: dict[str, QuantWeight | MappedTable] = {}
+    freq_factors = None
     with path.open("rb") as f:
         for name, kind, shape, offset, nbytes in tensors:
+            if name == ROPE_FREQS:
+                freq_factors = _dequantized(kind, _raw(f, offset, nbytes), shape)
             hf_name = name_map.get(name)
             if hf_name is None:
                 continue
@@ -251,11 +269,83 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                       stacklevel=2)  # fmt: skip
     _install(hf, quantised)
     _materialise_buffers(hf)
+    if freq_factors is not None:
+        _divide_frequencies(hf, freq_factors, path)
     missing = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.device.type == "meta"]
     if missing:
         raise SelfspecError(f"GGUF file {path} has no tensor for {', '.join(missing[:5])}")
     hf.eval()
     return hf, tokenizer, summary
+
+
+# -- rotary scaling: what llama.cpp reads from the file and transformers' GGUF config leaves out ---------------------
+
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's divisor per rotary frequency: how Llama 3.1-3.3 files carry "llama3"
+_YARN_KEYS = {"type", "factor", "original_context_length", "yarn_beta_fast", "yarn_beta_slow", "finetuned"}
+
+
+def rope_scaling(rope: dict, path: Path) -> dict | None:
+    """HF rotary parameters for a file's ``rope.scaling`` keys (:func:`_read_header`): None where it scales
+    nothing; linear and YaRN as transformers computes them (the formulas llama.cpp uses); any other kind refused,
+    since the model would run with wrong rotary angles (transformers' GGUF config drops these keys)."""
+    kind = str(rope.get("type", "none")).lower()
+    factor = float(rope.get("factor") or 1.0)
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    unknown = sorted(set(rope) - _YARN_KEYS)
+    if kind == "yarn" and not unknown:
+        params: dict[str, Any] = {"rope_type": "yarn", "factor": factor}
+        if "original_context_length" in rope:
+            params["original_max_position_embeddings"] = int(rope["original_context_length"])
+        for ours, theirs in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if ours in rope:
+                params[theirs] = float(rope[ours])
+        return params
+    what = f"{kind!r} with keys {', '.join(unknown)}" if kind == "yarn" else repr(kind)
+    raise UnsupportedModelError(f"GGUF file {path.name} scales its rotary embedding by {what}; supported: linear, "
+                                f"yarn (factor, original context, beta) and llama.cpp's {ROPE_FREQS} factors")
+
+
+def scale_rope(config, params: dict | None) -> None:
+    """Put :func:`rope_scaling`'s parameters in ``config`` before the model is made.  Per-layer-type rotary tables
+    (Gemma 3): the global layers' only; llama.cpp keeps the sliding-window layers' unscaled, as transformers does."""
+    if params is None:
+        return
+    if params["rope_type"] == "yarn" and "original_max_position_embeddings" not in params:
+        params = {**params, "original_max_position_embeddings": config.max_position_embeddings}  # llama.cpp's default
+    rp = config.rope_parameters
+    per_type = all(isinstance(v, dict) for v in rp.values())
+    for table in [v for k, v in rp.items() if k != "sliding_attention"] if per_type else [rp]:
+        table.update(params)
+
+
+def rope_for_conversion(path: Path) -> dict | None:
+    """The rotary scaling of GGUF file ``path`` for the config of its fp32 conversion (``--quantize none``; put
+    in by :func:`scale_rope`); ``rope_freqs`` factors, which no transformers config holds, are refused there."""
+    _, tensors, rope = _read_header(path)
+    if any(t[0] == ROPE_FREQS for t in tensors):
+        raise UnsupportedModelError(f"GGUF file {path.name} scales its rotary frequencies by llama.cpp's "
+                                    f"{ROPE_FREQS}, which only the quantised load keeps: drop --quantize none")
+    return rope_scaling(rope, path)
+
+
+def _divide_frequencies(hf: nn.Module, factors: np.ndarray, path: Path) -> None:
+    """llama.cpp's ``rope_freqs``: each rotary frequency divided by its factor, in every layer (the angle of
+    frequency i at position p is p * inv_freq[i] / factors[i])."""
+    f = torch.from_numpy(np.array(factors, dtype=np.float32).reshape(-1))
+    tables = [m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    for m in tables:
+        inv = m._buffers.get("inv_freq")
+        if inv is None or inv.shape != f.shape:
+            raise UnsupportedModelError(f"GGUF file {path.name}: its {ROPE_FREQS} ({f.numel()} factors) does not fit "
+                                        f"this architecture's rotary tables")  # fmt: skip
+        m._buffers["inv_freq"] = inv / f
+        if m._buffers.get("original_inv_freq") is not None:
+            m._buffers["original_inv_freq"] = m._buffers["original_inv_freq"] / f
+    if not tables:
+        raise UnsupportedModelError(f"GGUF file {path.name} has {ROPE_FREQS} but the model has no rotary table")
 
 
 def _name_map(hf: nn.Module, gguf_arch: str, path: Path) -> dict[str, str]:

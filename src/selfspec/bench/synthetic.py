@@ -91,24 +91,35 @@ def _tensors(shape: Shape, vocab: int, rng: np.random.Generator):
 def _copy_metadata(writer, reader, shape: Shape, name: str) -> None:
     """Every key/value of the donor file (a ``GGUFReader``) but its dimensions (the tokenizer and chat template
     carry over)."""
-    from gguf import GGUFValueType
-
     arch = shape.arch
     head_dim = shape.hidden // shape.heads
     dims = {f"{arch}.block_count": shape.layers, f"{arch}.embedding_length": shape.hidden,
             f"{arch}.feed_forward_length": shape.ffn, f"{arch}.attention.head_count": shape.heads,
             f"{arch}.attention.head_count_kv": shape.kv_heads, f"{arch}.rope.dimension_count": head_dim,
             f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}  # fmt: skip
+    _copy_fields(writer, reader, {**dims, "general.name": f"synthetic {name} (random weights)",
+                                  "general.file_type": 15})  # MOSTLY_Q4_K_M  # fmt: skip
+
+
+def _copy_fields(writer, reader, replaced: dict) -> None:
+    """Every key/value of ``reader`` into ``writer``, those in ``replaced`` with its value (strings as strings,
+    floats as float32, other numbers as uint32) and its keys that ``reader`` lacks added."""
+    from gguf import GGUFValueType
+
+    def put(key, value):
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         kind = field.types[0]
-        if key in dims:
-            writer.add_uint32(key, dims[key])
-        elif key == "general.name":
-            writer.add_string(key, f"synthetic {name} (random weights)")
-        elif key == "general.file_type":
-            writer.add_uint32(key, 15)  # MOSTLY_Q4_K_M
+        if key in replaced:
+            put(key, replaced[key])
         elif kind == GGUFValueType.ARRAY:
             sub = field.types[1]
             values = [str(bytes(field.parts[i]), "utf-8") if sub == GGUFValueType.STRING else field.parts[i][0].item()
@@ -118,6 +129,29 @@ def _copy_metadata(writer, reader, shape: Shape, name: str) -> None:
             writer.add_string(key, str(bytes(field.parts[field.data[0]]), "utf-8"))
         else:
             writer.add_key_value(key, field.parts[field.data[0]][0].item(), kind)
+    for key in replaced.keys() - reader.fields.keys():
+        put(key, replaced[key])
+
+
+def rewrite_gguf(src: Path, out: Path, *, fields: dict | None = None, tensors: dict | None = None) -> Path:
+    """A copy of GGUF file ``src`` at ``out`` with the key/values ``fields`` set (see :func:`_copy_fields`) and the
+    float32 ``tensors`` (name -> array) added; every tensor of ``src`` kept as its bytes (tests and checks of
+    what a file's metadata does, e.g. rotary scaling against llama.cpp)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    reader = GGUFReader(src)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    writer = GGUFWriter(str(out), arch)
+    _copy_fields(writer, reader, fields or {})
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    for name, array in (tensors or {}).items():
+        writer.add_tensor(name, np.asarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
 
 
 def write_synthetic(shape: str | Shape, out: Path, like: Path | None = None, seed: int = 0) -> Path:

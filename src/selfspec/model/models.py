@@ -491,15 +491,19 @@ def _converted_checkpoint(key: str, gguf_path_fn) -> Path:
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
     gguf_path: Path = gguf_path_fn()
-    print(f"selfspec: converting {gguf_path.name} to a cached HF checkpoint (once; about a minute)...", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..arch.gguf import rope_for_conversion, scale_rope
+
+    rope = rope_for_conversion(gguf_path)  # before the minute of conversion: a file it cannot keep is refused
+    print(f"selfspec: converting {gguf_path.name} to a cached HF checkpoint (once; about a minute)...", file=sys.stderr)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     except (ValueError, OSError, KeyError, RuntimeError, IndexError) as exc:
         raise SelfspecError(f"could not read GGUF file {gguf_path}: {str(exc).splitlines()[0][:300]}") from None
     adapter_for(hf)  # refuse unsupported architectures before writing anything
+    scale_rope(hf.config, rope)  # transformers' GGUF config leaves the rotary scaling out
     # The weights are dequantised to fp32 already; drop the GGUF marker so HF will serialise them.
     hf.hf_quantizer = None
     hf.config.quantization_config = None
