@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import selfspec
 from selfspec.arch.gguf import rope_scaling, scale_rope
-from selfspec.bench.synthetic import rewrite_gguf
+from selfspec.bench.synthetic import llama3_rope_factors, rewrite_gguf
 from selfspec.errors import UnsupportedModelError
 from selfspec.model.models import BUILTINS, _builtin_gguf
 
@@ -25,21 +25,10 @@ PROMPT = "Water boils at"
 
 
 def _llama3_factors(config) -> np.ndarray:
-    """What llama.cpp's converter writes as ``rope_freqs`` for LLAMA3 (its formula, per wavelength)."""
-    theta, dim = config.rope_parameters["rope_theta"], config.head_dim
-    old, low, high, factor = (LLAMA3[k] for k in ("original_max_position_embeddings", "low_freq_factor",
-                                                   "high_freq_factor", "factor"))  # fmt: skip
-    out = []
-    for i in range(0, dim, 2):
-        wavelength = 2 * math.pi * theta ** (i / dim)
-        if wavelength < old / high:
-            out.append(1.0)
-        elif wavelength > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelength - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+    """What llama.cpp's converter writes as ``rope_freqs`` for LLAMA3."""
+    return llama3_rope_factors(config.rope_parameters["rope_theta"], config.head_dim, LLAMA3["factor"],
+                               LLAMA3["low_freq_factor"], LLAMA3["high_freq_factor"],
+                               LLAMA3["original_max_position_embeddings"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ to the built-in model of the family: ``selfspec models install qwen2.5-coder-0.5
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,14 +37,39 @@ class Shape:
     heads: int
     kv_heads: int
     tied: bool
+    llama3_rope: bool = False  # Llama 3.1-3.3: rotary base 500000 and llama.cpp's rope_freqs divisors
+
+
+LLAMA3_THETA = 500000.0
+LLAMA3_ROPE = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_context": 8192}
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float = 32.0, low_freq_factor: float = 1.0,
+                        high_freq_factor: float = 4.0, original_context: int = 8192) -> np.ndarray:
+    """The ``rope_freqs`` divisors llama.cpp's converter writes for a "llama3" rotary scaling: 1 for wavelengths
+    under ``original_context / high_freq_factor``, ``factor`` above ``original_context / low_freq_factor``,
+    interpolated (in 1/divisor) between."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < original_context / high_freq_factor:
+            out.append(1.0)
+        elif wavelength > original_context / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 SHAPES = {
     "qwen2.5-1.5b": Shape("qwen2", layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, tied=True),
     "qwen2.5-3b": Shape("qwen2", layers=36, hidden=2048, ffn=11008, heads=16, kv_heads=2, tied=True),
     "qwen2.5-7b": Shape("qwen2", layers=28, hidden=3584, ffn=18944, heads=28, kv_heads=4, tied=False),
-    "llama-3.2-1b": Shape("llama", layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, tied=True),
-    "llama-3.2-3b": Shape("llama", layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, tied=True),
+    "llama-3.2-1b": Shape("llama", layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, tied=True,
+                          llama3_rope=True),
+    "llama-3.2-3b": Shape("llama", layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, tied=True,
+                          llama3_rope=True),
 }
 DEFAULT_DONOR = {"qwen2": "qwen2.5-coder-0.5b", "llama": "smollm2-135m"}  # built-in models of each family
 
@@ -72,6 +98,8 @@ def _tensors(shape: Shape, vocab: int, rng: np.random.Generator):
     """(name, array, raw ggml type name or None for f32) of every tensor, in llama.cpp's order."""
     h, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
     embed = "Q6_K" if shape.tied else "Q4_K"
+    if shape.llama3_rope:
+        yield "rope_freqs.weight", llama3_rope_factors(LLAMA3_THETA, h // shape.heads, **LLAMA3_ROPE), None
     yield "token_embd.weight", _random_blocks(rng, embed, vocab, h, 2e-5), embed
     for i in range(shape.layers):
         big = "Q6_K" if _more_bits(i, shape.layers) else "Q4_K"
@@ -97,6 +125,8 @@ def _copy_metadata(writer, reader, shape: Shape, name: str) -> None:
             f"{arch}.feed_forward_length": shape.ffn, f"{arch}.attention.head_count": shape.heads,
             f"{arch}.attention.head_count_kv": shape.kv_heads, f"{arch}.rope.dimension_count": head_dim,
             f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}  # fmt: skip
+    if shape.llama3_rope:
+        dims[f"{arch}.rope.freq_base"] = LLAMA3_THETA
     _copy_fields(writer, reader, {**dims, "general.name": f"synthetic {name} (random weights)",
                                   "general.file_type": 15})  # MOSTLY_Q4_K_M  # fmt: skip
 
