@@ -476,3 +476,22 @@ def test_a_head_made_packed_is_the_released_repack(kind, monkeypatch):
     assert torch.equal(packed.rows(ids), ref.rows(ids))  # (token lookups read the copy)
     restored = [packed.codes, packed.scale] + ([packed.minv] if packed.minv is not None else [])
     assert all(torch.equal(a, b) for a, b in zip(restored, expected, strict=True))
+
+
+def test_embedding_lookups_of_recent_tokens_are_the_tables_rows(smollm2):
+    """Short lookups (a decoding step's ids) go through the decoded rows of recent tokens: bit for bit the
+    table's rows, a new tensor each call (callers may write into it), the rows kept bounded."""
+    from selfspec.core import quant
+
+    embed = smollm2.hf.get_input_embeddings()
+    assert isinstance(embed, quant.QuantEmbedding)
+    ids = torch.tensor([[5, 17, 5, 40000]])
+    first = embed(ids)
+    assert torch.equal(first, embed.qweight.rows(ids.reshape(-1)).reshape(1, 4, -1))
+    first.zero_()  # the caller's tensor, not a kept row
+    assert torch.equal(embed(ids), embed.qweight.rows(ids.reshape(-1)).reshape(1, 4, -1))
+    for t in range(embed._recent_max + 40):
+        embed(torch.tensor([t]))
+    assert len(embed._recent) == embed._recent_max
+    with pytest.raises(IndexError):
+        embed(torch.tensor([embed.num_embeddings]))
