@@ -188,3 +188,23 @@ def test_the_pieces_count_every_token_whatever_rounds_it_came_in(smollm2):
         assert sum(p.tokens for p in pieces) == len(result.token_ids)
         counts.append(len(result.token_ids))
     assert counts[0] == counts[1]
+
+
+def test_gguf_models_stop_at_their_end_of_turn_tokens_as_llama_cpp_does(smollm2, gemma3, tiny_llama):
+    """A GGUF file's config names one end-of-sequence id; llama.cpp also ends a generation at the special tokens
+    named like an end of turn (Gemma 3's ``<end_of_turn>``, ChatML's ``<|endoftext|>`` beside ``<|im_end|>``), and
+    so do we, where the model came from a GGUF file: a Gemma 3 instruct file would otherwise run past its turn."""
+    names = lambda m: {m.tokenizer.convert_ids_to_tokens(i) for i in m.eos_token_ids}  # noqa: E731
+    assert names(gemma3) == {"<eos>", "<end_of_turn>"}
+    assert names(smollm2) == {"<|im_end|>", "<|endoftext|>"}
+    assert not tiny_llama.from_gguf and tiny_llama.eos_token_ids == frozenset(
+        {tiny_llama.hf.generation_config.eos_token_id} | {tiny_llama.tokenizer.eos_token_id}) - {None}
+    # stopping there is the loop's: the end-of-turn token is emitted, nothing after it
+    prompt = gemma3.tokenizer("The end.")["input_ids"]
+    first = selfspec.generate(gemma3, prompt, "vanilla", max_new_tokens=1).token_ids[0]
+    gemma3.__dict__["_end_of_turn"] = gemma3._end_of_turn_ids() | {first}
+    try:
+        out = selfspec.generate(gemma3, prompt, "vanilla", max_new_tokens=8)
+        assert list(out.token_ids) == [first] and out.stats.stop_reason == "eos"
+    finally:
+        del gemma3.__dict__["_end_of_turn"]

@@ -107,6 +107,14 @@ BUILTINS: dict[str, BuiltinModel] = {
 }
 
 
+# special tokens that end a turn whatever a GGUF file's end-of-sequence id says (llama.cpp's end-of-generation
+# tokens found by their text: Llama 3, ChatML (Qwen, SmolLM2), Gemma, Phi, Granite, CodeLlama, SmolDocling; and
+# Qwen2.5-Coder's fill-in-the-middle pad / repository / file separators, which end a generation there too)
+END_OF_TURN_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                               "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<|fim_pad|>", "<|repo_name|>",
+                               "<|file_sep|>"})  # fmt: skip
+
+
 @dataclass
 class Model:
     """A loaded causal LM with everything the decoding methods need."""
@@ -117,6 +125,7 @@ class Model:
     source: str
     kernels: str = "auto"  # "auto": measured per machine and model (selfspec.core.kernel_plan); "torch": torch's own
     quantization: str = "none"  # how the weights are held: "none", "gguf:Q4_1,Q8_0", "int8", "int4"
+    from_gguf: bool = False  # built from a GGUF file: its end-of-turn tokens found by text, as llama.cpp does
     adapter: LlamaAdapter = field(init=False)
     engine: Engine = field(init=False)
     kernel_report: KernelReport = field(init=False)
@@ -173,6 +182,10 @@ class Model:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a generation: the end-of-sequence ids of the generation config and tokenizer; for a
+        GGUF file also its special tokens named like an end of turn (:data:`END_OF_TURN_TEXTS`), as llama.cpp
+        stops on them: a file's config holds one end-of-sequence id, where an instruct model ends its turns with
+        another (Gemma 3's ``<end_of_turn>``, older Llama 3 files' ``<|eot_id|>``)."""
         ids: set[int] = set()
         for src in (getattr(self.hf, "generation_config", None), self.tokenizer):
             eos = getattr(src, "eos_token_id", None)
@@ -180,7 +193,16 @@ class Model:
                 ids.add(eos)
             elif isinstance(eos, (list, tuple)):
                 ids.update(int(e) for e in eos)
+        if self.from_gguf:
+            ids.update(self._end_of_turn_ids())
         return frozenset(ids)
+
+    def _end_of_turn_ids(self) -> frozenset[int]:
+        found = self.__dict__.get("_end_of_turn")
+        if found is None:
+            added = self.tokenizer.get_added_vocab() if hasattr(self.tokenizer, "get_added_vocab") else {}
+            found = self.__dict__["_end_of_turn"] = frozenset(i for t, i in added.items() if t in END_OF_TURN_TEXTS)
+        return found
 
     def encode(self, prompt: str | Sequence[dict]) -> list[int]:
         """Token ids of a raw-text prompt, or of chat messages rendered with the chat template."""
@@ -243,7 +265,7 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
         kinds = ",".join(sorted(summary["kept"]))
         _return_free_heap()  # (before the engine's own copies are made, and after)
         model = Model(name=name, hf=hf, tokenizer=tokenizer, source=source, kernels=kernels,
-                      quantization=f"gguf:{kinds}" if kinds else "none")  # fmt: skip
+                      quantization=f"gguf:{kinds}" if kinds else "none", from_gguf=True)  # fmt: skip
         _return_free_heap()
         return model
     if hf_dir is None:
@@ -258,7 +280,7 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
         quantize_linears(hf, 8 if quantize == "int8" else 4)
         quantization = quantize
     return Model(name=name, hf=hf.to(dev), tokenizer=tokenizer, source=source, kernels=kernels,
-                 quantization=quantization)  # fmt: skip
+                 quantization=quantization, from_gguf=gguf_file is not None)  # fmt: skip
 
 
 def _return_free_heap() -> None:
