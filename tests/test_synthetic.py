@@ -57,3 +57,18 @@ def test_a_synthetic_model_decodes_losslessly_with_sub_scales(tiny_file):
         drafted = selfspec.generate(model, prompt, "asd", max_new_tokens=24, preset="paper", draft_length=3)
     assert drafted.stats.drafted > 0
     assert drafted.token_ids == plain.token_ids
+
+
+def test_llama3_shapes_carry_llama_3s_rotary_base_and_divisors(tmp_path):
+    """As real Llama 3.1-3.3 files do: rotary base 500000 and llama.cpp's rope_freqs, which the load divides the
+    rotary frequencies by (tests/test_gguf_rope.py checks them against transformers' llama3 table)."""
+    from selfspec.bench.synthetic import LLAMA3_ROPE, LLAMA3_THETA, llama3_rope_factors
+
+    shape = Shape("llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, tied=True, llama3_rope=True)
+    model = selfspec.load(str(write_synthetic(shape, tmp_path / "llama3.gguf")))
+    assert model.hf.config.rope_parameters["rope_theta"] == LLAMA3_THETA
+    head_dim = shape.hidden // shape.heads
+    plain = 1.0 / (LLAMA3_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = torch.from_numpy(llama3_rope_factors(LLAMA3_THETA, head_dim, **LLAMA3_ROPE))
+    assert factors.max() == LLAMA3_ROPE["factor"] and factors.min() == 1.0
+    assert torch.allclose(model.hf.model.rotary_emb.inv_freq, plain / factors, rtol=1e-6)
