@@ -1225,7 +1225,7 @@ class QuantEmbedding(nn.Module):
         self._recent_max = max(16, EMBEDDING_CACHE_BYTES // (4 * self.embedding_dim))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.numel() <= CACHED_LOOKUP_IDS and input_ids.device.type == "cpu":
+        if 0 < input_ids.numel() <= CACHED_LOOKUP_IDS and input_ids.device.type == "cpu":
             out = torch.stack([self._row(i) for i in input_ids.reshape(-1).tolist()])  # a new tensor: callers own it
         else:
             out = self.qweight.rows(input_ids)
