@@ -72,3 +72,22 @@ def test_llama3_shapes_carry_llama_3s_rotary_base_and_divisors(tmp_path):
     factors = torch.from_numpy(llama3_rope_factors(LLAMA3_THETA, head_dim, **LLAMA3_ROPE))
     assert factors.max() == LLAMA3_ROPE["factor"] and factors.min() == 1.0
     assert torch.allclose(model.hf.model.rotary_emb.inv_freq, plain / factors, rtol=1e-6)
+
+
+def test_a_gemma3_shape_takes_llama_cpps_fallback_types_and_decodes_losslessly(tmp_path):
+    """Gemma 3's widths are not multiples of 256 weights: llama.cpp's Q4_K_M gives those rows Q5_0 / Q8_0, and so
+    does the synthetic file; it loads with Gemma's extra norms and a head dimension of its own."""
+    from gguf import GGUFReader
+
+    shape = Shape("gemma3", layers=2, hidden=640, ffn=512, heads=2, kv_heads=1, tied=True, head_dim=128)
+    path = write_synthetic(shape, tmp_path / "gemma.gguf", seed=1)
+    kinds = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert kinds["token_embd.weight"] == "Q8_0" and kinds["blk.0.attn_q.weight"] == "Q5_0"
+    assert kinds["blk.0.ffn_down.weight"] == "Q4_K" and kinds["blk.0.attn_output.weight"] == "Q4_K"
+    assert kinds["blk.1.ffn_down.weight"] == "Q6_K" and kinds["blk.1.attn_v.weight"] == "Q8_0"  # the last eighth
+    assert "blk.1.attn_q_norm.weight" in kinds and "blk.1.post_ffw_norm.weight" in kinds
+    model = selfspec.load(str(path))
+    assert model.hf.config.head_dim == 128 and model.hf.config.model_type == "gemma3_text"
+    plain = selfspec.generate(model, "Hello there", "vanilla", max_new_tokens=16)
+    drafted = selfspec.generate(model, "Hello there", "asd", max_new_tokens=16, preset="paper", draft_length=3)
+    assert drafted.stats.drafted > 0 and drafted.token_ids == plain.token_ids

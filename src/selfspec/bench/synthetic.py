@@ -7,7 +7,8 @@ peak memory, never for acceptance or output quality. The tokenizer, chat templat
 entry are copied from a GGUF file of the same family (``--like``: a qwen2 file for the Qwen2.5 shapes, a llama
 one such as the built-in SmolLM2's for the Llama shapes; the vocabulary is the donor's). Tensor types follow
 llama.cpp's Q4_K_M recipe (Q6_K for the tied embedding / head and for ``attn_v`` and ``ffn_down`` of the first
-and last eighth of the layers and every third in between, Q4_K elsewhere).
+and last eighth of the layers and every third in between, Q4_K elsewhere; where a row is not a multiple of 256
+weights, as Gemma 3's hidden sizes, llama.cpp's fallbacks: Q5_0 for Q4_K, Q8_0 for Q6_K).
 
 Run: ``python -m selfspec.bench.synthetic --shape qwen2.5-1.5b --out /tmp/qwen-1.5b.gguf`` (``--like`` defaults
 to the built-in model of the family: ``selfspec models install qwen2.5-coder-0.5b`` for the Qwen2.5 shapes)
@@ -38,6 +39,11 @@ class Shape:
     kv_heads: int
     tied: bool
     llama3_rope: bool = False  # Llama 3.1-3.3: rotary base 500000 and llama.cpp's rope_freqs divisors
+    head_dim: int | None = None  # None: hidden / heads (Gemma 3's is 256 whatever its width)
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 LLAMA3_THETA = 500000.0
@@ -70,11 +76,17 @@ SHAPES = {
                           llama3_rope=True),
     "llama-3.2-3b": Shape("llama", layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, tied=True,
                           llama3_rope=True),
+    "gemma-3-1b": Shape("gemma3", layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, tied=True, head_dim=256),
 }
-DEFAULT_DONOR = {"qwen2": "qwen2.5-coder-0.5b", "llama": "smollm2-135m"}  # built-in models of each family
+DEFAULT_DONOR = {"qwen2": "qwen2.5-coder-0.5b", "llama": "smollm2-135m", "gemma3": "gemma3-270m"}  # built-ins
 
-_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # per 256 weights
-_SCALE_AT = {"Q4_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's fp16 scales
+_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22), "Q8_0": (32, 34)}  # (weights, bytes) a block
+_SCALE_AT = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,)}  # byte offsets of each block's fp16 scales
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama.cpp's types for rows that are not a multiple of 256 weights
+
+
+def _kind(kind: str, cols: int) -> str:
+    return _FALLBACK[kind] if cols % 256 else kind
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -84,10 +96,11 @@ def _more_bits(layer: int, layers: int) -> bool:
 
 def _random_blocks(rng: np.random.Generator, kind: str, rows: int, cols: int, scale: float) -> np.ndarray:
     """Random codes of ``rows`` x ``cols`` weights as ``kind`` blocks, every block scale a small positive half."""
-    if cols % 256:
-        raise InvalidInputError(f"{kind} needs rows of a multiple of 256 weights, got {cols}")
-    per_row = cols // 256 * _BLOCK_BYTES[kind]
-    data = rng.integers(0, 256, size=(rows * cols // 256, _BLOCK_BYTES[kind]), dtype=np.uint8)
+    block, nbytes = _BLOCKS[kind]
+    if cols % block:
+        raise InvalidInputError(f"{kind} needs rows of a multiple of {block} weights, got {cols}")
+    per_row = cols // block * nbytes
+    data = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
     halves = (scale * (0.5 + rng.random((data.shape[0], len(_SCALE_AT[kind]))))).astype(np.float16)
     for i, at in enumerate(_SCALE_AT[kind]):
         data[:, at : at + 2] = halves[:, i : i + 1].view(np.uint8)
@@ -96,31 +109,37 @@ def _random_blocks(rng: np.random.Generator, kind: str, rows: int, cols: int, sc
 
 def _tensors(shape: Shape, vocab: int, rng: np.random.Generator):
     """(name, array, raw ggml type name or None for f32) of every tensor, in llama.cpp's order."""
-    h, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
-    embed = "Q6_K" if shape.tied else "Q4_K"
+    h, q, kv = shape.hidden, shape.dim * shape.heads, shape.dim * shape.kv_heads
+    embed = _kind("Q6_K" if shape.tied else "Q4_K", h)
     if shape.llama3_rope:
-        yield "rope_freqs.weight", llama3_rope_factors(LLAMA3_THETA, h // shape.heads, **LLAMA3_ROPE), None
+        yield "rope_freqs.weight", llama3_rope_factors(LLAMA3_THETA, shape.dim, **LLAMA3_ROPE), None
     yield "token_embd.weight", _random_blocks(rng, embed, vocab, h, 2e-5), embed
+    gemma = shape.arch == "gemma3"
     for i in range(shape.layers):
         big = "Q6_K" if _more_bits(i, shape.layers) else "Q4_K"
         yield f"blk.{i}.attn_norm.weight", np.ones(h, np.float32), None
-        for name, rows, cols, kind in (("attn_q", h, h, "Q4_K"), ("attn_k", kv, h, "Q4_K"), ("attn_v", kv, h, big),
-                                       ("attn_output", h, h, "Q4_K"), ("ffn_gate", shape.ffn, h, "Q4_K"),
+        for name, rows, cols, kind in (("attn_q", q, h, "Q4_K"), ("attn_k", kv, h, "Q4_K"), ("attn_v", kv, h, big),
+                                       ("attn_output", h, q, "Q4_K"), ("ffn_gate", shape.ffn, h, "Q4_K"),
                                        ("ffn_up", shape.ffn, h, "Q4_K"), ("ffn_down", h, shape.ffn, big)):  # fmt: skip
+            kind = _kind(kind, cols)
             yield f"blk.{i}.{name}.weight", _random_blocks(rng, kind, rows, cols, 1e-4), kind
             if shape.arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
                 yield f"blk.{i}.{name}.bias", (0.01 * rng.standard_normal(rows)).astype(np.float32), None
-        yield f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32), None
+        norms = ("ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm") if gemma else \
+            ("ffn_norm",)  # fmt: skip
+        for name in norms:
+            yield f"blk.{i}.{name}.weight", np.ones(shape.dim if name in ("attn_q_norm", "attn_k_norm") else h,
+                                                    np.float32), None  # fmt: skip
     yield "output_norm.weight", np.ones(h, np.float32), None
     if not shape.tied:
-        yield "output.weight", _random_blocks(rng, "Q6_K", vocab, h, 2e-5), "Q6_K"
+        yield "output.weight", _random_blocks(rng, _kind("Q6_K", h), vocab, h, 2e-5), _kind("Q6_K", h)
 
 
 def _copy_metadata(writer, reader, shape: Shape, name: str) -> None:
     """Every key/value of the donor file (a ``GGUFReader``) but its dimensions (the tokenizer and chat template
     carry over)."""
     arch = shape.arch
-    head_dim = shape.hidden // shape.heads
+    head_dim = shape.dim
     dims = {f"{arch}.block_count": shape.layers, f"{arch}.embedding_length": shape.hidden,
             f"{arch}.feed_forward_length": shape.ffn, f"{arch}.attention.head_count": shape.heads,
             f"{arch}.attention.head_count_kv": shape.kv_heads, f"{arch}.rope.dimension_count": head_dim,
