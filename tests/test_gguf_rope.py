@@ -99,8 +99,15 @@ def test_scaling_keys_map_to_transformers_or_are_refused(tmp_path):
         rope_scaling({"type": "yarn", "factor": 4.0, "attn_factor": 0.5}, where)
 
 
-def test_rope_freqs_file_is_refused_by_the_fp32_conversion_before_converting(tmp_path, smollm2_file):
-    scaled_file = rewrite_gguf(smollm2_file, tmp_path / "llama3-rope.gguf",
-                               tensors={"rope_freqs.weight": np.full(32, 2.0, dtype=np.float32)})  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="quantize none"):
-        selfspec.load(str(scaled_file), quantize="none")
+def test_the_fp32_conversion_keeps_rope_freqs_and_scaling_keys(tmp_path, smollm2_file):
+    """``--quantize none`` (a GPU user's way to run a GGUF file) converts the file to a transformers checkpoint:
+    its rotary tables equal the quantised load's, the divisors kept beside the config, the keys in it."""
+    factors = np.linspace(1.0, 3.0, 32).astype(np.float32)
+    scaled_file = rewrite_gguf(smollm2_file, tmp_path / "scaled.gguf", tensors={"rope_freqs.weight": factors},
+                               fields={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})  # fmt: skip
+    quantised = selfspec.load(str(scaled_file))
+    converted = selfspec.load(str(scaled_file), quantize="none")
+    expected = selfspec.load(str(smollm2_file)).hf.model.rotary_emb.inv_freq / 2 / torch.from_numpy(factors)
+    assert torch.allclose(quantised.hf.model.rotary_emb.inv_freq, expected, rtol=1e-6)
+    assert torch.allclose(converted.hf.model.rotary_emb.inv_freq, expected, rtol=1e-6)
+    assert converted.hf.config.rope_parameters["rope_type"] == "linear"

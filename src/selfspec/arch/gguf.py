@@ -270,7 +270,7 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     _install(hf, quantised)
     _materialise_buffers(hf)
     if freq_factors is not None:
-        _divide_frequencies(hf, freq_factors, path)
+        divide_frequencies(hf, freq_factors, f"GGUF file {path.name}")
     missing = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.device.type == "meta"]
     if missing:
         raise SelfspecError(f"GGUF file {path} has no tensor for {', '.join(missing[:5])}")
@@ -321,31 +321,37 @@ def scale_rope(config, params: dict | None) -> None:
         table.update(params)
 
 
-def rope_for_conversion(path: Path) -> dict | None:
-    """The rotary scaling of GGUF file ``path`` for the config of its fp32 conversion (``--quantize none``; put
-    in by :func:`scale_rope`); ``rope_freqs`` factors, which no transformers config holds, are refused there."""
+def rope_for_conversion(path: Path) -> tuple[dict | None, np.ndarray | None]:
+    """The rotary scaling of GGUF file ``path`` for its fp32 conversion (``--quantize none``): the parameters its
+    config takes (:func:`scale_rope`), and its ``rope_freqs`` divisors or None (no transformers config holds
+    them: the conversion keeps them in a file of their own, :data:`ROPE_FREQS_FILE`)."""
     _, tensors, rope = _read_header(path)
-    if any(t[0] == ROPE_FREQS for t in tensors):
-        raise UnsupportedModelError(f"GGUF file {path.name} scales its rotary frequencies by llama.cpp's "
-                                    f"{ROPE_FREQS}, which only the quantised load keeps: drop --quantize none")
-    return rope_scaling(rope, path)
+    factors = None
+    for name, kind, shape, offset, nbytes in tensors:
+        if name == ROPE_FREQS:
+            with path.open("rb") as f:
+                factors = _dequantized(kind, _raw(f, offset, nbytes), shape)
+    return rope_scaling(rope, path), factors
 
 
-def _divide_frequencies(hf: nn.Module, factors: np.ndarray, path: Path) -> None:
+ROPE_FREQS_FILE = "rope_freqs.npy"  # beside a converted checkpoint's config: the GGUF's rope_freqs divisors
+
+
+def divide_frequencies(hf: nn.Module, factors: np.ndarray, what: str) -> None:
     """llama.cpp's ``rope_freqs``: each rotary frequency divided by its factor, in every layer (the angle of
-    frequency i at position p is p * inv_freq[i] / factors[i])."""
+    frequency i at position p is p * inv_freq[i] / factors[i]); ``what`` names the model in errors."""
     f = torch.from_numpy(np.array(factors, dtype=np.float32).reshape(-1))
     tables = [m for m in hf.modules() if type(m).__name__.endswith("RotaryEmbedding")]
     for m in tables:
         inv = m._buffers.get("inv_freq")
         if inv is None or inv.shape != f.shape:
-            raise UnsupportedModelError(f"GGUF file {path.name}: its {ROPE_FREQS} ({f.numel()} factors) does not fit "
-                                        f"this architecture's rotary tables")  # fmt: skip
-        m._buffers["inv_freq"] = inv / f
+            raise UnsupportedModelError(f"{what}: its {ROPE_FREQS} ({f.numel()} factors) does not fit this "
+                                        f"architecture's rotary tables")  # fmt: skip
+        m._buffers["inv_freq"] = inv / f.to(inv.device)
         if m._buffers.get("original_inv_freq") is not None:
-            m._buffers["original_inv_freq"] = m._buffers["original_inv_freq"] / f
+            m._buffers["original_inv_freq"] = m._buffers["original_inv_freq"] / f.to(inv.device)
     if not tables:
-        raise UnsupportedModelError(f"GGUF file {path.name} has {ROPE_FREQS} but the model has no rotary table")
+        raise UnsupportedModelError(f"{what} has {ROPE_FREQS} but the model has no rotary table")
 
 
 def _name_map(hf: nn.Module, gguf_arch: str, path: Path) -> dict[str, str]:

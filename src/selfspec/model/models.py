@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..arch.adapters import LlamaAdapter, adapter_for
@@ -507,17 +509,22 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+CONVERSION_MARK = "selfspec-conversion.json"  # written last into a converted checkpoint (version 2: rotary scaling)
+CONVERSION_VERSION = 2
+
+
 def _converted_checkpoint(key: str, gguf_path_fn) -> Path:
-    """Directory of the fp32 HF checkpoint converted from a GGUF file, converting on first use."""
+    """Directory of the fp32 HF checkpoint converted from a GGUF file, converting on first use (again where a
+    checkpoint predates :data:`CONVERSION_VERSION`: its rotary scaling was left out)."""
     target = _cache_dir() / "models" / key
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    if _conversion_version(target) == CONVERSION_VERSION and any(target.glob("*.safetensors")):
         return target
     gguf_path: Path = gguf_path_fn()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..arch.gguf import rope_for_conversion, scale_rope
+    from ..arch.gguf import ROPE_FREQS_FILE, rope_for_conversion, scale_rope
 
-    rope = rope_for_conversion(gguf_path)  # before the minute of conversion: a file it cannot keep is refused
+    rope, factors = rope_for_conversion(gguf_path)  # before the minute of conversion: a scaling it cannot keep
     print(f"selfspec: converting {gguf_path.name} to a cached HF checkpoint (once; about a minute)...", file=sys.stderr)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -530,7 +537,23 @@ def _converted_checkpoint(key: str, gguf_path_fn) -> Path:
     hf.hf_quantizer = None
     hf.config.quantization_config = None
     del hf.config.quantization_config
-    return atomic_dir(target, lambda tmp: (hf.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+    def fill(tmp: Path) -> None:
+        hf.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if factors is not None:  # llama.cpp's rope_freqs, put back into the rotary tables by _from_pretrained
+            np.save(tmp / ROPE_FREQS_FILE, np.asarray(factors, dtype=np.float32))
+        (tmp / CONVERSION_MARK).write_text(json.dumps({"version": CONVERSION_VERSION, "source": gguf_path.name}))
+
+    return atomic_dir(target, fill)
+
+
+def _conversion_version(target: Path) -> int | None:
+    """The version a converted checkpoint was written by (None: none, an older one, or an unreadable record)."""
+    try:
+        return json.loads((target / CONVERSION_MARK).read_text(encoding="utf-8")).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _from_pretrained(where: Path | str, dtype: torch.dtype, name: str):
@@ -558,6 +581,11 @@ def _from_pretrained(where: Path | str, dtype: torch.dtype, name: str):
         hf = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError, RuntimeError) as exc:
         raise SelfspecError(f"could not load model '{name}': {str(exc).splitlines()[0][:300]}") from None
+    from ..arch.gguf import ROPE_FREQS_FILE, divide_frequencies
+
+    factors = Path(where) / ROPE_FREQS_FILE
+    if factors.is_file():  # a GGUF file's conversion (_converted_checkpoint)
+        divide_frequencies(hf, np.load(factors), f"model '{name}'")
     return hf, tokenizer
 
 
