@@ -103,8 +103,9 @@ def test_the_fp32_conversion_keeps_rope_freqs_and_scaling_keys(tmp_path, smollm2
     """``--quantize none`` (a GPU user's way to run a GGUF file) converts the file to a transformers checkpoint:
     its rotary tables equal the quantised load's, the divisors kept beside the config, the keys in it."""
     factors = np.linspace(1.0, 3.0, 32).astype(np.float32)
+    keys = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
     scaled_file = rewrite_gguf(smollm2_file, tmp_path / "scaled.gguf", tensors={"rope_freqs.weight": factors},
-                               fields={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})  # fmt: skip
+                               fields=keys)  # fmt: skip
     quantised = selfspec.load(str(scaled_file))
     converted = selfspec.load(str(scaled_file), quantize="none")
     expected = selfspec.load(str(smollm2_file)).hf.model.rotary_emb.inv_freq / 2 / torch.from_numpy(factors)

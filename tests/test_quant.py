@@ -16,7 +16,7 @@ import torch
 from conftest import tiny_model
 
 import selfspec
-from selfspec.arch.gguf import _raw, _read_tensors
+from selfspec.arch.gguf import _raw, _read_header
 from selfspec.core.quant import (
     CFLAGS,
     PREFILL_ROWS,
@@ -66,7 +66,7 @@ def test_real_tensors_of_the_builtin_files_decode_exactly(name):
     if BUILTINS[name].extra and not BUILTINS[name].installed():
         pytest.skip(f"{name} is installed on request only (selfspec models install {name})")
     path = _builtin_gguf(BUILTINS[name])
-    _, tensors = _read_tensors(path)
+    _, tensors, _ = _read_header(path)
     seen = set()
     with path.open("rb") as f:
         for tensor_name, kind, shape, offset, nbytes in tensors:
@@ -158,7 +158,7 @@ def _copy_with_tensor_type(src, dst, tensor: str, kind: str) -> None:
     """Copy a GGUF file, declaring ``tensor`` to be of type ``kind`` and filling it with valid random data of
     that type (smaller than the original, so it fits where the original was)."""
     shutil.copyfile(src, dst)
-    _, tensors = _read_tensors(dst)
+    _, tensors, _ = _read_header(dst)
     _, _, shape, offset, _ = next(t for t in tensors if t[0] == tensor)
     with open(dst, "r+b") as f:
         head = f.read(64 << 20)

@@ -138,13 +138,6 @@ def _walk_header(buf, path: Path, bad) -> tuple[str, list[tuple[str, int, tuple[
     return arch, infos, (h.pos + alignment - 1) // alignment * alignment, rope
 
 
-def _read_tensors(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...], int, int]]]:
-    """The GGUF architecture name, and (name, type name, shape as stored [in, out], file offset, bytes) of every
-    tensor (see :func:`_read_header`)."""
-    arch, tensors, _ = _read_header(path)
-    return arch, tensors
-
-
 def _read_header(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...], int, int]], dict]:
     """The GGUF architecture name, (name, type name, shape as stored [in, out], file offset, bytes) of every
     tensor, and the rotary scaling keys (``{"type": "linear", "factor": 8.0}``; empty where none).  A small
