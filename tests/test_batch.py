@@ -119,32 +119,6 @@ def test_a_prompt_prefilled_in_batch_chunks_is_a_whole_prefill(name, request):
         assert batcher.stats.rows < n, "a prefill whose rows differ from one-token rows runs alone"
 
 
-def test_a_reused_prefix_statistic_measured_in_batch_chunks_is_the_one_measured_alone(smollm2):
-    """ASD's statistic of a prompt's reused positions (a chat's earlier answer, measured after the first token):
-    in a server's batch it is read in chunks beside another decoding, with the cosines and the rewritten keys and
-    values of a measurement alone."""
-    from selfspec.core.prefix_store import PrefixStore
-    from selfspec.decoding.loop import measure_pending
-
-    store = PrefixStore()
-    first = smollm2.encode(LONG)
-    answer = list(Session(smollm2, "vanilla", prefix_cache=store).generate(first, max_new_tokens=40).token_ids)
-    prompt = first + answer[:-1] + smollm2.encode(PROMPTS[1])
-    alone = measure_pending(smollm2, prefill(smollm2, prompt, max_new_tokens=8, cosine=True, store=store))
-    pending = prefill(smollm2, prompt, max_new_tokens=8, cosine=True, store=store)
-    assert pending.pending is not None and pending.pending[1] - pending.pending[0] > 37
-    batcher = StepBatcher(smollm2.engine, prompt_chunk=16)
-    with _beside_another_decoding(smollm2, batcher):
-        chunked = measure_pending(smollm2, pending, batcher)
-    assert batcher.stats.sequences > batcher.stats.passes, "the positions' chunks shared passes"
-    for a, b in ((alone.cosine.attention, chunked.cosine.attention), (alone.cosine.mlp, chunked.cosine.mlp)):
-        assert b == pytest.approx(a, abs=1e-6)
-    n = len(prompt)
-    for layer in range(smollm2.engine.num_layers):
-        for a, b in zip(alone.cache.layer(layer, n), chunked.cache.layer(layer, n), strict=True):
-            assert torch.equal(a, b)
-
-
 def _run_together(model, jobs, batcher):
     """Each job (method, prompt, max_new_tokens, sampling, stop_after) in its own thread, sessions sharing the
     batcher; stop_after: close the stream after that many pieces (a client leaving), None: run to the end."""

@@ -16,7 +16,7 @@ from conftest import tiny_model
 import selfspec
 from selfspec.core.prefix_store import MB, PrefixStore, inexact_reason
 from selfspec.core.quant import quantize_linears
-from selfspec.decoding.loop import measure_pending, prefill
+from selfspec.decoding.loop import prefill
 
 NEW = 24
 SAMPLED = dict(temperature=0.9, top_p=0.95, seed=11)
@@ -63,14 +63,52 @@ def test_a_reused_prefix_gives_the_bits_of_a_whole_prefill(qtiny):
     assert torch.equal(whole.last_logits, reused.last_logits)
     assert same_bits(whole.cache, reused.cache, len(prompt), L)
     assert reused.cache.dtype == whole.cache.dtype  # halves under int8 activations, copied as halves
-    # ASD's statistic: the first turn's prompt has a mark, its answer is measured after the first token
-    whole = prefill(qtiny, prompt, max_new_tokens=4, cosine=True)
-    reused = prefill(qtiny, prompt, max_new_tokens=4, cosine=True, store=store)
-    assert reused.cosine is None and reused.pending is not None and torch.equal(whole.last_logits, reused.last_logits)
-    done = measure_pending(qtiny, reused)
-    assert same_bits(whole.cache, done.cache, len(prompt), L)  # the re-measured slots rewritten with the same bits
-    for part in ("attention", "mlp"):
-        assert getattr(done.cosine, part) == pytest.approx(getattr(whole.cosine, part), abs=1e-6)
+
+
+def measured_mean(model, parts):
+    """ASD's statistic over the positions of ``parts`` ((prompt, start, end): positions [start, end) of that
+    prompt, each measured by a full-model pass over them after a prefill of what precedes them): the mean
+    cosine per sublayer, (attention, mlp)."""
+    sums, count = 0.0, 0
+    for prompt, start, end in parts:
+        cache = prefill(model, prompt[:start], max_new_tokens=end - start).cache if start else None
+        if cache is None:
+            cos = prefill(model, prompt[:end], cosine=True).cosine
+        else:
+            out = []
+            ids = torch.tensor(prompt[start:end], dtype=torch.long)
+            model.engine.forward(cache, ids, start, last_only=True, cosine_out=out, prefill=True)
+            cos = out[0]
+        sums = sums + torch.tensor([*cos.attention, *cos.mlp], dtype=torch.float64) * (end - start)
+        count += end - start
+    mean = (sums / count).tolist()
+    return mean[: model.num_layers], mean[model.num_layers:]
+
+
+def test_asds_statistic_leaves_a_reused_answer_out_and_does_not_read_it_again(qtiny):
+    """A second turn (first prompt, its decoded answer, a new question): the statistic is the mean over the
+    positions a prefill measured, the first prompt's (a mark in the store) and the new question's; the answer
+    between them is neither measured nor run through the model again."""
+    first = ids_of(40)
+    store = PrefixStore()
+    answer = list(selfspec.Session(qtiny, "asd", prefix_cache=store).generate(first, max_new_tokens=20).token_ids)
+    prompt = first + answer[:-1] + ids_of(30, seed=1)[1:]
+    rows = []
+    forward = qtiny.engine.forward
+    qtiny.engine.forward = lambda cache, ids, *a, **k: rows.append(len(ids)) or forward(cache, ids, *a, **k)
+    try:
+        reused = prefill(qtiny, prompt, max_new_tokens=4, cosine=True, store=store)
+    finally:
+        del qtiny.engine.forward
+    start = 40 + 19
+    assert reused.reused == start and rows == [len(prompt) - start]
+    whole = prefill(qtiny, prompt, max_new_tokens=4)
+    assert torch.equal(whole.last_logits, reused.last_logits)
+    attention, mlp = measured_mean(qtiny, [(first, 0, 40), (prompt, start, len(prompt))])
+    assert reused.cosine.attention == pytest.approx(attention, abs=1e-6)
+    assert reused.cosine.mlp == pytest.approx(mlp, abs=1e-6)
+    again = prefill(qtiny, prompt, max_new_tokens=4, cosine=True, store=store)  # the mark it left: the same mean
+    assert again.cosine == reused.cosine
 
 
 @pytest.mark.parametrize("method", ["vanilla", "asd", "auto", "suffix", "swift"])
@@ -84,14 +122,16 @@ def test_second_turn_equals_a_fresh_prefill(qtiny, method):
     assert got.stats.reused_tokens == len(turn1) + len(answer) - 1  # the answer's last token never ran
 
 
-def test_asds_statistic_with_a_reused_prefix_is_a_fresh_prefills(qtiny):
+def test_asds_statistic_of_a_prompt_extending_a_measured_one_is_a_fresh_prefills(qtiny):
+    """Every reused position measured (a prompt extending an earlier prompt): the statistic a whole prefill
+    measures, to float32 rounding."""
     session = selfspec.Session(qtiny, "asd")
     turn1 = ids_of(50, seed=4)
-    answer = list(session.generate(turn1, max_new_tokens=NEW).token_ids)
-    turn2 = turn1 + answer + ids_of(20, seed=5)[1:]
+    session.generate(turn1, max_new_tokens=NEW)
+    turn2 = turn1 + ids_of(20, seed=5)[1:]
     got = session.generate(turn2, max_new_tokens=NEW).stats
     ref = fresh(qtiny, turn2, "asd").stats
-    assert got.reused_tokens > 0
+    assert got.reused_tokens == len(turn1)
     for part in ("attention", "mlp"):
         assert got.cosine[part] == pytest.approx(ref.cosine[part], abs=1e-6)
     again = session.generate(turn2, max_new_tokens=NEW).stats  # an exact repeat: the mark at the whole prompt

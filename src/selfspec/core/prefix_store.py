@@ -32,15 +32,16 @@ them), which costs their memory.
 **ASD's statistic.**  ASD (and ``auto``, whose layer-skip source it is) chooses skip sets from the mean over
 prompt positions of each sublayer's cosine similarity, measured during prefill.  A prefix from here was not
 run through the full model now, and the answer tokens of an earlier turn were decoded, never measured.  So an
-entry keeps *marks*: at each length where a prefill measured every position before it, the sum over those
-positions of each sublayer's cosine.  A request that wants the statistic reuses its whole match all the same;
-its prefill measures the new tokens, and after the first token (which needs only keys and values) the decoder
-runs the full model again over the reused positions after the longest mark within the match (a second turn:
-the first turn's answer), measuring them and rewriting their slots with the same bits
-(:func:`selfspec.decoding.loop.measure_pending`).  Mean = (mark's sum + each part's mean x its positions) /
-prompt length: a fresh prefill's statistic to float32 rounding (combined in float64).  Time to first token
-gains the whole match; the work of the re-measured positions stays.  Outputs do not depend on the statistic
-(every method is lossless under greedy and coupled sampling), only their speed does.
+entry keeps *marks* (:class:`CosineMark`): at a length c, the sum of each sublayer's cosine over the positions
+below c that a prefill measured, and their count.  A request that wants the statistic reuses its whole match;
+its prefill measures the new tokens, and its statistic is the mean over every measured position: the longest
+mark within the match plus the new tokens (a second turn: the first turn's prompt and the second's question,
+not the first answer between them).  Where the match's marks cover it whole (a prompt extending an earlier
+prompt) that is a fresh prefill's statistic to float32 rounding (combined in float64); where an earlier answer
+lies inside, it is the statistic of the measured positions only.  Running the full model over that answer
+again to measure it cost as much as re-reading it (a second turn of ``auto``: 20-30% of its time, measured),
+which is what reuse saves.  Outputs do not depend on the statistic (every method is lossless under greedy and
+coupled sampling), only their speed does.
 """
 
 from __future__ import annotations
@@ -80,12 +81,24 @@ def _signature(engine: Any) -> tuple:
     return (quant.int8_activations(), quant.kv_cache_dtype(), quant.prefill_kernel(), engine.path_signature)
 
 
+@dataclass(frozen=True)
+class CosineMark:
+    """ASD's statistic so far: each sublayer's cosine summed over ``count`` measured positions, float64 [2L]
+    (attention sublayers first), so that parts measured apart combine exactly to float32 rounding."""
+
+    sums: np.ndarray
+    count: int
+
+    def plus(self, sums: np.ndarray, count: int) -> CosineMark:
+        return CosineMark(self.sums + sums, self.count + count)
+
+
 @dataclass
 class _Entry:
     tokens: np.ndarray  # int64 [n]
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, n, D] in the cache's dtype
     signature: tuple
-    marks: dict[int, np.ndarray] = field(default_factory=dict)  # length c -> float64 [2L] cosine sums over [0, c)
+    marks: dict[int, CosineMark] = field(default_factory=dict)  # length c -> measured cosines below c
 
     @property
     def nbytes(self) -> int:
@@ -99,10 +112,10 @@ class Hit:
     entry: _Entry
     length: int  # slots to copy into the new cache (< the prompt's length)
     common: int  # tokens the prompt shares with the entry
-    cosine_sums: np.ndarray | None  # the mark used (a method wanting ASD's statistic), float64 [2L]; None: none
-    cosine_upto: int  # positions that mark covers (0: none)
+    mark: CosineMark | None  # the longest mark within the match (a method wanting ASD's statistic); None: none
+    mark_at: int  # the length that mark holds for (0: none)
 
-    def marks(self) -> dict[int, np.ndarray]:
+    def marks(self) -> dict[int, CosineMark]:
         """The entry's marks that hold for the prompt too (within the shared tokens)."""
         return {c: s for c, s in self.entry.marks.items() if c <= self.common}
 
@@ -200,7 +213,7 @@ class PrefixStore:
         return hit.length
 
     # -- save ----------------------------------------------------------------------------------------
-    def save(self, engine: Any, tokens: list[int], cache: KVCache, marks: dict[int, np.ndarray] | None = None) -> None:
+    def save(self, engine: Any, tokens: list[int], cache: KVCache, marks: dict[int, CosineMark] | None = None) -> None:
         """Keep the keys and values of ``tokens`` (the cache's committed slots ``[0, len(tokens))``), with the
         cosine ``marks`` that hold for them."""
         if not self.usable(engine) or len(tokens) < 2:

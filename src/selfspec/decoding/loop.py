@@ -34,7 +34,7 @@ import torch
 
 from ..core import clock
 from ..core.cache import KVCache
-from ..core.prefix_store import PrefixStore
+from ..core.prefix_store import CosineMark, PrefixStore
 from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.skipset import SkipSet
 from ..errors import InvalidInputError, SelfspecError
@@ -91,8 +91,7 @@ class Prefill:
     cosine: SublayerCosine | None
     last_logits: torch.Tensor | None = None  # [V], for sampling the first token
     reused: int = 0  # prompt tokens whose keys and values came from a prefix store
-    marks: dict[int, np.ndarray] = field(default_factory=dict)  # cosine sums by length (core/prefix_store.py)
-    pending: tuple[int, int, np.ndarray] | None = None  # (from, to, sums): positions whose cosine is still to measure
+    marks: dict[int, CosineMark] = field(default_factory=dict)  # measured cosines by length (core/prefix_store.py)
 
 
 def prefill(
@@ -114,7 +113,7 @@ def prefill(
     cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_nodes)
     hit = store.lookup(engine, prompt_ids, cosine=cosine) if store is not None else None
     start = store.restore(hit, cache) if hit is not None else 0
-    measure = cosine and (hit is None or hit.cosine_upto < len(prompt_ids))  # a mark at the whole prompt: known
+    measure = cosine and (hit is None or hit.mark_at < len(prompt_ids))  # a mark at the whole prompt: known
     out: list[SublayerCosine] = []
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
     if start and engine.draft_vocab is not None:
@@ -132,13 +131,12 @@ def prefill(
         return pf
     n, measured = len(prompt_ids), out[0] if out else None
     if hit is None:  # measured over the whole prompt: as without a store
-        return replace(pf, cosine=measured, marks={**pf.marks, n: _sums(measured, n)})
-    sums = hit.cosine_sums.copy() if hit.cosine_sums is not None else np.zeros(2 * engine.num_layers)
+        return replace(pf, cosine=measured, marks={**pf.marks, n: CosineMark(_sums(measured, n), n)})
+    mark = hit.mark if hit.mark is not None else CosineMark(np.zeros(2 * engine.num_layers), 0)
     if measured is not None:  # positions [start, n)
-        sums += _sums(measured, n - start)
-    if hit.cosine_upto < start:  # reused positions no prefill measured (an earlier answer): after the first token
-        return replace(pf, pending=(hit.cosine_upto, start, sums))
-    return replace(pf, cosine=_mean(sums, n), marks={**pf.marks, n: sums})
+        mark = mark.plus(_sums(measured, n - start), n - start)
+    # the mean over the measured positions: a reused earlier answer (never prefilled) is left out, not re-read
+    return replace(pf, cosine=_mean(mark.sums, mark.count), marks={**pf.marks, n: mark})
 
 
 def _prefill_in_batches(batcher: StepBatcher, cache: KVCache, ids: torch.Tensor, start: int,
@@ -159,27 +157,6 @@ def _prefill_in_batches(batcher: StepBatcher, cache: KVCache, ids: torch.Tensor,
         cosine_out.append(_mean(sums, n - start))
     assert logits is not None
     return logits
-
-
-def measure_pending(model: Model, pf: Prefill, batcher: StepBatcher | None = None) -> Prefill:
-    """ASD's statistic of the prompt once its reused positions without a cosine mark are measured: the full
-    model runs over them again (rewriting their cache slots with the same bits) with the statistic on.  The
-    decoder does this after the first token, which needs only the keys and values.  With ``batcher`` (a server's
-    slot) the positions are read in chunks inside the batch's passes where prompt rows are exact, as a prompt is
-    (:func:`prefill`): alone, the pass held every other request for a whole prompt's time."""
-    if pf.pending is None:
-        return pf
-    begin, end, sums = pf.pending
-    out: list[SublayerCosine] = []
-    if batcher is not None and model.engine.prompt_rows_exact:
-        ids = torch.tensor(pf.prompt_ids[:end], dtype=torch.long, device=model.engine.device)
-        _prefill_in_batches(batcher, pf.cache, ids, begin, out)
-    else:
-        ids = torch.tensor(pf.prompt_ids[begin:end], dtype=torch.long, device=model.engine.device)
-        model.engine.forward(pf.cache, ids, begin, last_only=True, cosine_out=out, prefill=True)
-    sums = sums + _sums(out[0], end - begin)
-    n = len(pf.prompt_ids)
-    return replace(pf, cosine=_mean(sums, n), marks={**pf.marks, n: sums}, pending=None)
 
 
 def _sums(cos: SublayerCosine, count: int) -> np.ndarray:
@@ -278,12 +255,9 @@ class Decoder:
         cache, N, eos = pf.cache, self.max_new_tokens, self.model.eos_token_ids
         prefill_time = clock.now() - t_start
         out, tally = [token], _Tally()
-        skip = self._bind(pf.cosine) if pf.pending is None else None
+        skip = self._bind(pf.cosine)
         try:
             yield [token]
-            if pf.pending is not None:  # ASD's statistic of reused positions, measured after the first token
-                pf = measure_pending(self.model, pf, self._batcher)
-                skip = self._bind(pf.cosine)
             while len(out) < N and token not in eos:
                 c = cache.length  # `token` (the last bonus) sits at slot c, not yet in the cache
                 t0 = clock.now()
