@@ -94,6 +94,7 @@ METHODS = [
     ("lookahead", {}),
     ("auto", {}),
     ("auto", {"layerskip": "swift"}),
+    ("auto", {"layerskip": "vocab"}),
     ("lowbit", {}),  # 4-bit copies of its Q5_0 / Q6_K weights
     ("asd", {"draft_dtype": "q4"}),
 ]

@@ -76,7 +76,8 @@ def test_the_measured_gain_of_layer_skip_rounds_decides_against_a_weak_lookup():
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"layerskip": "swift", "draft_dtype": "same", "schedule": "paper", "max_ngram": 2}]
+    "options", [{}, {"layerskip": "swift", "draft_dtype": "same", "schedule": "paper", "max_ngram": 2},
+                {"layerskip": "vocab"}]
 )
 def test_auto_equals_vanilla_and_uses_both_sources(tiny_llama, options):
     base = selfspec.generate(tiny_llama, PROMPT, "vanilla", max_new_tokens=48)
@@ -242,3 +243,9 @@ def test_a_layer_skip_chain_ends_where_a_lookup_draft_would_earn_more():
     lookup.value = (2.5, 5.0)
     assert not until([4])
     assert HybridDrafter(DeclineToDraft(), DeclineToDraft())._lookup_wins_after([1]) is None  # no pricing
+
+
+@pytest.mark.parametrize("source", ["lowbit", "vocab"])
+def test_a_source_with_its_own_precision_refuses_a_draft_dtype(tiny_llama, source):
+    with pytest.raises(selfspec.InvalidInputError, match=f"layerskip={source} drafts in .* drop draft_dtype"):
+        selfspec.Session(tiny_llama, "auto", layerskip=source, draft_dtype="bfloat16")

@@ -323,11 +323,12 @@ METHODS["lookahead"] = MethodSpec(
 )
 
 
-AUTO_SOURCES = ("asd", "swift", "lowbit")
+AUTO_SOURCES = ("asd", "swift", "lowbit", "vocab")
 
 
 def _auto_source(opts: dict[str, Any]) -> str:
-    """The hybrid's self-draft source: 'asd' (default), 'swift' or 'lowbit'; options of another one are refused."""
+    """The hybrid's self-draft source: 'asd' (default), 'swift', 'lowbit' or 'vocab'; options of another one are
+    refused."""
     source = str(opts.get("layerskip", "asd"))
     if source not in AUTO_SOURCES:
         raise InvalidInputError(f"layerskip must be one of {', '.join(AUTO_SOURCES)}, got {source!r}")
@@ -336,8 +337,9 @@ def _auto_source(opts: dict[str, Any]) -> str:
         foreign = sorted(k for k in opts if k in theirs)
         if other != source and foreign:
             raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={other}")
-    if source == "lowbit" and "draft_dtype" in opts:
-        raise InvalidInputError("layerskip=lowbit drafts in q4 by definition; drop draft_dtype")
+    if source in ("lowbit", "vocab") and "draft_dtype" in opts:
+        precision = "q4" if source == "lowbit" else "the model's own precision"
+        raise InvalidInputError(f"layerskip={source} drafts in {precision} by definition; drop draft_dtype")
     return source
 
 
@@ -352,8 +354,8 @@ def _auto_drafter(opts: dict[str, Any]):
     source = _auto_source(opts)
     if source == "asd":
         layerskip = _asd_drafter(_options_of("asd", opts))
-    elif source == "lowbit":
-        layerskip = METHODS["lowbit"].build_drafter(_options_of("lowbit", opts))
+    elif source in ("lowbit", "vocab"):
+        layerskip = METHODS[source].build_drafter(_options_of(source, opts))
     else:
         layerskip = _swift_drafter(opts)
     return HybridDrafter(lookup, layerskip)
@@ -387,8 +389,8 @@ def _auto_skip(opts: dict[str, Any]):
     source = _auto_source(opts)
     if source == "asd":
         return _asd(_options_of("asd", opts))
-    if source == "lowbit":
-        return METHODS["lowbit"].build_skip_policy({})
+    if source in ("lowbit", "vocab"):
+        return METHODS[source].build_skip_policy({})
     return _swift({"budget": AUTO_SEARCH_BUDGET, **_options_of("swift", opts)})
 
 
@@ -408,7 +410,8 @@ METHODS["auto"] = MethodSpec(
         "budget": f"layerskip=swift: most skip-set search time as a share of decoding time (default "
         f"{AUTO_SEARCH_BUDGET})",
         "layerskip": "the self-draft source: asd (default: ASD's automatic choice), swift (its on-line search) or "
-        "lowbit (the whole model in 4-bit copies of its weights)",
+        "lowbit (the whole model in 4-bit copies of its weights) or vocab (the whole model over its draft vocabulary, "
+        "verified by the head alone)",
         "max_ngram": METHODS["pld"].options["max_ngram"],
         "min_ngram": METHODS["pld"].options["min_ngram"],
         "ngram": "the n-gram source: suffix (default: trees over the text and the session's outputs) or pld",

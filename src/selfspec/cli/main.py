@@ -43,9 +43,10 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", type=int, help="lookahead: W, the Jacobi window's columns (3 on a CPU, else 15)")
     g.add_argument("--ngram-size", type=int, help="lookahead: N, the n-gram size (2 on a CPU, else 5)")
     g.add_argument("--guesses", type=int, help="lookahead: G, most pool n-grams verified per round (3 / 15)")
-    g.add_argument("--layerskip", choices=("asd", "swift", "lowbit"),
+    g.add_argument("--layerskip", choices=("asd", "swift", "lowbit", "vocab"),
                    help="auto: the self-draft source: ASD's automatic choice (default; lowbit where the model's "
-                        "4-bit copies pay), SWIFT's search, or lowbit")
+                        "4-bit copies pay), SWIFT's search, lowbit, or vocab (the whole model, its draft "
+                        "vocabulary)")
     g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16", "q4"),
                    help="precision of the draft passes' weights (auto: the cheapest that agrees, measured; q4: "
                         "4-bit copies of a quantised model's 5-8-bit weights)")
