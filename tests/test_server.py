@@ -301,6 +301,10 @@ def _metrics(server) -> dict[str, float]:
 def test_a_second_turn_reuses_the_first_and_answers_as_a_fresh_prefill(server, smollm2):
     """The chat resends the conversation: its first turn's prompt and answer come from the prefix cache, and the
     answer is the one a whole prefill gives; /metrics counts the hit, the reused tokens, time to first token."""
+    from selfspec.core.prefix_store import inexact_reason
+
+    if inexact_reason(smollm2.engine) is not None:
+        pytest.skip(f"this machine's default path refuses reuse: {inexact_reason(smollm2.engine)}")
     client = server.client()
     first = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
     before = _metrics(server)
