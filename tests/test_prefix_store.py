@@ -91,11 +91,10 @@ def measured_mean(model, parts):
     cosine per sublayer, (attention, mlp)."""
     sums, count = 0.0, 0
     for prompt, start, end in parts:
-        cache = prefill(model, prompt[:start], max_new_tokens=end - start).cache if start else None
-        if cache is None:
+        if start == 0:
             cos = prefill(model, prompt[:end], cosine=True).cosine
         else:
-            out = []
+            cache, out = prefill(model, prompt[:start], max_new_tokens=end - start).cache, []
             ids = torch.tensor(prompt[start:end], dtype=torch.long)
             model.engine.forward(cache, ids, start, last_only=True, cosine_out=out, prefill=True)
             cos = out[0]

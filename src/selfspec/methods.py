@@ -324,6 +324,7 @@ METHODS["lookahead"] = MethodSpec(
 
 
 AUTO_SOURCES = ("asd", "swift", "lowbit", "vocab")
+WHOLE_MODEL_SOURCES = ("lowbit", "vocab")  # sources that skip nothing: their methods' own policy and drafter
 
 
 def _auto_source(opts: dict[str, Any]) -> str:
@@ -337,7 +338,7 @@ def _auto_source(opts: dict[str, Any]) -> str:
         foreign = sorted(k for k in opts if k in theirs)
         if other != source and foreign:
             raise InvalidInputError(f"{', '.join(foreign)} applies to layerskip={other}")
-    if source in ("lowbit", "vocab") and "draft_dtype" in opts:
+    if source in WHOLE_MODEL_SOURCES and "draft_dtype" in opts:
         precision = "q4" if source == "lowbit" else "the model's own precision"
         raise InvalidInputError(f"layerskip={source} drafts in {precision} by definition; drop draft_dtype")
     return source
@@ -354,7 +355,7 @@ def _auto_drafter(opts: dict[str, Any]):
     source = _auto_source(opts)
     if source == "asd":
         layerskip = _asd_drafter(_options_of("asd", opts))
-    elif source in ("lowbit", "vocab"):
+    elif source in WHOLE_MODEL_SOURCES:
         layerskip = METHODS[source].build_drafter(_options_of(source, opts))
     else:
         layerskip = _swift_drafter(opts)
@@ -389,7 +390,7 @@ def _auto_skip(opts: dict[str, Any]):
     source = _auto_source(opts)
     if source == "asd":
         return _asd(_options_of("asd", opts))
-    if source in ("lowbit", "vocab"):
+    if source in WHOLE_MODEL_SOURCES:
         return METHODS[source].build_skip_policy({})
     return _swift({"budget": AUTO_SEARCH_BUDGET, **_options_of("swift", opts)})
 
