@@ -204,6 +204,8 @@ def _stats(stats) -> dict[str, Any] | None:
 
 async def _next(request: Request, job: Job, events: asyncio.Queue):
     """The job's next event; cancels the job when the client has gone away."""
+    if not events.empty():  # already queued (several requests decoding): no timer for it
+        return events.get_nowait()
     while True:
         try:
             return await asyncio.wait_for(events.get(), timeout=0.5)
