@@ -41,7 +41,8 @@ prompt) that is a fresh prefill's statistic to float32 rounding (combined in flo
 lies inside, it is the statistic of the measured positions only.  Running the full model over that answer
 again to measure it cost as much as re-reading it (a second turn of ``auto``: 20-30% of its time, measured),
 which is what reuse saves.  Outputs do not depend on the statistic (every method is lossless under greedy and
-coupled sampling), only their speed does.
+coupled sampling), only their speed does; under rejection sampling (exact in distribution) other drafts mean
+other draws, so a seeded second turn may differ from a whole prefill's there, as two runs whose drafts differ may.
 """
 
 from __future__ import annotations
