@@ -202,9 +202,9 @@ def test_gguf_models_stop_at_their_end_of_turn_tokens_as_llama_cpp_does(smollm2,
     # stopping there is the loop's: the end-of-turn token is emitted, nothing after it
     prompt = gemma3.tokenizer("The end.")["input_ids"]
     first = selfspec.generate(gemma3, prompt, "vanilla", max_new_tokens=1).token_ids[0]
-    gemma3.__dict__["_end_of_turn"] = gemma3._end_of_turn_ids() | {first}
+    gemma3.__dict__["_end_of_turn_ids"] = gemma3._end_of_turn_ids | {first}  # the cached property, widened
     try:
         out = selfspec.generate(gemma3, prompt, "vanilla", max_new_tokens=8)
         assert list(out.token_ids) == [first] and out.stats.stop_reason == "eos"
     finally:
-        del gemma3.__dict__["_end_of_turn"]
+        del gemma3.__dict__["_end_of_turn_ids"]

@@ -27,6 +27,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -196,15 +197,13 @@ class Model:
             elif isinstance(eos, (list, tuple)):
                 ids.update(int(e) for e in eos)
         if self.from_gguf:
-            ids.update(self._end_of_turn_ids())
+            ids.update(self._end_of_turn_ids)
         return frozenset(ids)
 
+    @cached_property
     def _end_of_turn_ids(self) -> frozenset[int]:
-        found = self.__dict__.get("_end_of_turn")
-        if found is None:
-            added = self.tokenizer.get_added_vocab() if hasattr(self.tokenizer, "get_added_vocab") else {}
-            found = self.__dict__["_end_of_turn"] = frozenset(i for t, i in added.items() if t in END_OF_TURN_TEXTS)
-        return found
+        added = self.tokenizer.get_added_vocab() if hasattr(self.tokenizer, "get_added_vocab") else {}
+        return frozenset(i for t, i in added.items() if t in END_OF_TURN_TEXTS)
 
     def encode(self, prompt: str | Sequence[dict]) -> list[int]:
         """Token ids of a raw-text prompt, or of chat messages rendered with the chat template."""
