@@ -224,11 +224,9 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     pack_layers = int8_activations() and prefill_kernel() == "rows"
     summary: dict[str, Any] = {"kept": {}, "dequantized": {}}
     quantised: dict[str, QuantWeight | MappedTable] = {}
-    freq_factors = None
     with path.open("rb") as f:
+        freq_factors = _rope_freqs(f, tensors)
         for name, kind, shape, offset, nbytes in tensors:
-            if name == ROPE_FREQS:
-                freq_factors = _dequantized(kind, _raw(f, offset, nbytes), shape)
             hf_name = name_map.get(name)
             if hf_name is None:
                 continue
@@ -319,12 +317,16 @@ def rope_for_conversion(path: Path) -> tuple[dict | None, np.ndarray | None]:
     config takes (:func:`scale_rope`), and its ``rope_freqs`` divisors or None (no transformers config holds
     them: the conversion keeps them in a file of their own, :data:`ROPE_FREQS_FILE`)."""
     _, tensors, rope = _read_header(path)
-    factors = None
+    with path.open("rb") as f:
+        return rope_scaling(rope, path), _rope_freqs(f, tensors)
+
+
+def _rope_freqs(f, tensors) -> np.ndarray | None:
+    """The file's :data:`ROPE_FREQS` divisors (``f`` open on it, ``tensors`` its table), or None."""
     for name, kind, shape, offset, nbytes in tensors:
         if name == ROPE_FREQS:
-            with path.open("rb") as f:
-                factors = _dequantized(kind, _raw(f, offset, nbytes), shape)
-    return rope_scaling(rope, path), factors
+            return _dequantized(kind, _raw(f, offset, nbytes), shape)
+    return None
 
 
 ROPE_FREQS_FILE = "rope_freqs.npy"  # beside a converted checkpoint's config: the GGUF's rope_freqs divisors
