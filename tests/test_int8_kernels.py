@@ -8,6 +8,7 @@ import ctypes
 import platform
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -313,3 +314,32 @@ def test_half_scales_give_the_products_of_fp32_scales_bit_for_bit(kind, monkeypa
     assert wide.x16()[1].dtype == torch.float32
     assert torch.equal(wide.matmul(x), y)
     assert wide.step_bytes > qw.step_bytes
+
+
+ARM_TOOLS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
+
+
+def _x16_hashes(tmp_path, name: str, compiler: list[str], run: list[str]) -> list[str]:
+    """The lines of tests/native/x16_hash.c built by ``compiler`` (its flags included) and run by ``run``."""
+    exe = tmp_path / name
+    harness = Path(__file__).with_name("native") / "x16_hash.c"
+    subprocess.run([*compiler, "-o", str(exe), str(harness), *map(str, SOURCES), "-lm"], check=True,
+                   capture_output=True)  # fmt: skip
+    return subprocess.run([*run, str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 with gcc only")
+@pytest.mark.skipif(any(shutil.which(t) is None for t in ARM_TOOLS),
+                    reason="needs an aarch64 cross compiler and qemu-user (.ci/run installs them where it can)")
+@pytest.mark.parametrize("march, kind_code", [("armv8.2-a+dotprod", 4), ("armv8-a", 0)])
+def test_arm_builds_compute_the_same_numbers(tmp_path, march, kind_code):
+    """ARM CPUs (Apple silicon, Graviton, Ampere) get the same products: with the dot product extension from
+    sdot, without it from the portable loops as the compiler vectorises them for NEON; built for aarch64 and run
+    under qemu, every x16 form (4-, 5-, 6- and 8-bit codes; fp32, half and sub-scales; with and without minima)
+    hashes to the bits of this machine's own build."""
+    ref = _x16_hashes(tmp_path, "native", ["gcc", *CFLAGS[:-1]], [])
+    arm = _x16_hashes(tmp_path, f"arm-{kind_code}",
+                      ["aarch64-linux-gnu-gcc", "-static", f"-march={march}",
+                       *(f for f in CFLAGS[:-1] if f != "-march=native")], ["qemu-aarch64"])  # fmt: skip
+    assert arm[0] == f"kind {kind_code}"
+    assert len(arm) == len(ref) > 10 and arm[1:] == ref[1:]

@@ -24,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "from the fp32 model's after some dozens of tokens)")
     p.add_argument("--activations", default=None, choices=("auto", "int8", "float32"),
                    help="quantised weights: decoding products quantise their activations to int8 as llama.cpp does "
-                        "(auto, default, where the CPU has AVX512-VNNI, AVX-VNNI or AVX2: 2.5-5x faster products "
+                        "(auto, default, wherever the native kernels build: 2.5-5x faster products "
                         "of several rows; keys and values then cached as halves, as llama.cpp's default cache) "
                         "or keep them float32 (outputs equal the dequantised model's within rounding)")
 

@@ -53,12 +53,16 @@
 #if defined(__AVXVNNI__)
 #define SELFSPEC_AVXVNNI 1 /* client Intel from Alder Lake, AMD Zen 5: vpdpbusd on 256-bit registers, no AVX-512 */
 #endif
+#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+#define SELFSPEC_NEON_DOT 1 /* ARMv8.2+ (Apple M1 on, Neoverse N1/V1 and later: Graviton 2-4, Ampere): sdot */
+#include <arm_neon.h>
 #endif
 
 /* Which instructions the products below use: 1 VNNI (vpdpbusd), 2 AVX2 (vpmaddubsw + vpmaddwd: the same exact
  * integer sums in three instructions per 32 bytes, for CPUs without AVX-512 VNNI), 3 AVX-VNNI (AVX2's layout with
- * the sums by the 256-bit vpdpbusd: one instruction per 32 bytes), 0 the portable loops (exact, but slower than the
- * fp32 kernels).  All four give bit-identical products. */
+ * the sums by the 256-bit vpdpbusd: one instruction per 32 bytes), 4 ARM's sdot (NEON with the dot product
+ * extension), 0 the portable loops (plain C written for the compiler's vectoriser).  All give bit-identical products.
+ */
 int selfspec_int8_kernels(void) {
 #if defined(SELFSPEC_VNNI)
     return 1;
@@ -66,6 +70,8 @@ int selfspec_int8_kernels(void) {
     return 3;
 #elif defined(SELFSPEC_AVX2)
     return 2;
+#elif defined(SELFSPEC_NEON_DOT)
+    return 4;
 #else
     return 0;
 #endif
@@ -182,15 +188,18 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
 #define SCALE_BYTES(SK) ((SK) == 2 ? 1 : (SK) ? 2 : 4) /* per group and row (sub-scales: the byte alone) */
 #define SCALE_BLOCK_BYTES(SK, groups, K) ((groups) * 16 * SCALE_BYTES(SK) + ((SK) == 2 ? (K) / 256 * 32 : 0))
 
-/* An IEEE half widened to a float (exact; the portable path's and the tail's conversion) */
+/* An IEEE half widened to a float (exact; the portable path's and the tail's conversion): its exponent and
+ * mantissa bits moved into a float's place and scaled by 2^112 (exact for normal and subnormal halves: a power
+ * of two; the all-ones exponent is taken to infinity or NaN apart).  Branch-free, so the portable loops vectorise. */
 static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-        const float f = ldexpf((float)man, -24);
-        return sign ? -f : f;
-    }
-    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, rest = (uint32_t)(h & 0x7fffu) << 13;
     float f;
+    memcpy(&f, &rest, sizeof f);
+    f *= 0x1p112f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits = (h & 0x7c00u) == 0x7c00u ? 0x7f800000u | rest : bits; /* infinity or NaN, payload kept */
+    bits |= sign;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
@@ -504,40 +513,104 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
     } while (0)
 #endif
 
-/* The portable form of the same arithmetic (one row of x at a time) */
-static void block_portable(int bits, int sk, long K, long G, const int8_t *xq, const float *dx, const float *ds16,
-                           const float *ds32, const uint8_t *codes, const void *scale, const void *minv,
-                           const float *bias, float *y) {
-    float acc[16] = {0};
-    for (long g = 0; g < K / G; g++) {
-        int32_t s[16] = {0};
-        for (long j = 0; j < G / 4; j++)
+/* The portable form of the same arithmetic, written for the compiler's vectoriser (NEON on ARM, SSE on old x86):
+ * a group's codes of the 16 rows are first decoded to bytes in the x16 order (byte 64j + 4r + i: code k = 4j + i of
+ * row r), once for up to PORTABLE_ROWS rows of x, whose exact integer sums then run over straight byte arrays. */
+#define PORTABLE_ROWS 8
+
+static inline void decode_group_portable(int bits, long G, const uint8_t *codes, long g, uint8_t *w) {
+    if (bits == 4) {
+        const uint8_t *c = codes + g * 256;
+        for (int l = 0; l < 256; l++) w[l] = c[l] & 15;
+        for (int l = 0; l < 256; l++) w[256 + l] = c[l] >> 4;
+    } else if (bits == 5) {
+        const uint8_t *c = codes + g * 320;
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 64; l++)
+                w[64 * j + l] = (uint8_t)((j < 4 ? c[64 * j + l] & 15 : c[64 * (j - 4) + l] >> 4)
+                                          | ((c[256 + l] >> j) & 1) << 4);
+    } else if (bits == 6) {
+        const uint8_t *c = codes + g * 192;
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 64; l++)
+                w[64 * j + l] = (uint8_t)((j < 2 ? c[64 * j + l] & 15 : c[64 * (j - 2) + l] >> 4)
+                                          | ((c[128 + l] >> (2 * j)) & 3) << 4);
+    } else {
+        memcpy(w, codes + g * G * 16, (size_t)G * 16);
+    }
+}
+
+/* The exact integer sums s[r] = sum_k code(r, k) * xg[k] of one group (w: decode_group_portable's bytes).  Codes of
+ * up to 6 bits: four products (|code| < 64, |x| <= 127) sum within 16 bits, so the vectoriser may use 16-bit
+ * lanes for them. */
+static inline void group_sums_portable(int bits, long G, const uint8_t *w, const int8_t *xg, int32_t xsum,
+                                       int32_t s[16]) {
+#ifdef SELFSPEC_NEON_DOT
+    /* sdot: each 32-bit lane of a quad of rows takes 4 byte products with one word of x (the lane picked from a
+     * register of 4 words), as vpdpbusd does; sdot multiplies signed bytes, so q8 codes (code + 128) are taken as
+     * the signed codes (flip the top bit) and 128 * sum(x) is added back: the same exact integers */
+    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    const uint8x16_t flip = vdupq_n_u8(bits == 8 ? 0x80 : 0);
+    for (long j4 = 0; j4 < G / 4; j4 += 4) {
+        const int8x16_t x = vld1q_s8(xg + 4 * j4);
+#define SELFSPEC_DOT_WORD(LANE)                                                                      \
+    for (int q = 0; q < 4; q++)                                                                      \
+        a[q] = vdotq_laneq_s32(a[q], vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + 64 * (j4 + LANE) + 16 * q), flip)), \
+                               x, LANE)
+        SELFSPEC_DOT_WORD(0);
+        SELFSPEC_DOT_WORD(1);
+        SELFSPEC_DOT_WORD(2);
+        SELFSPEC_DOT_WORD(3);
+#undef SELFSPEC_DOT_WORD
+    }
+    const int32x4_t back = vdupq_n_s32(bits == 8 ? 128 * xsum : 0);
+    for (int q = 0; q < 4; q++) vst1q_s32(s + 4 * q, vaddq_s32(a[q], back));
+#else
+    (void)xsum;
+    for (int r = 0; r < 16; r++) s[r] = 0;
+    for (long j = 0; j < G / 4; j++) {
+        const int32_t x0 = xg[4 * j], x1 = xg[4 * j + 1], x2 = xg[4 * j + 2], x3 = xg[4 * j + 3];
+        const uint8_t *wj = w + 64 * j;
+        if (bits <= 6)
             for (int r = 0; r < 16; r++)
-                for (int i = 0; i < 4; i++) {
-                    const long k = 4 * j + i; /* element of the group */
-                    int code;
-                    if (bits == 4) {
-                        const uint8_t byte = codes[g * 256 + (j & 3) * 64 + 4 * r + i];
-                        code = j < 4 ? byte & 15 : byte >> 4;
-                    } else if (bits == 5) {
-                        const uint8_t *c = codes + g * 320, byte = c[(j & 3) * 64 + 4 * r + i];
-                        code = (j < 4 ? byte & 15 : byte >> 4) | ((c[256 + 4 * r + i] >> j) & 1) << 4;
-                    } else if (bits == 6) {
-                        const uint8_t *c = codes + g * 192, byte = c[(j & 1) * 64 + 4 * r + i];
-                        code = (j < 2 ? byte & 15 : byte >> 4) | ((c[128 + 4 * r + i] >> (2 * j)) & 3) << 4;
-                    } else {
-                        code = codes[g * G * 16 + j * 64 + 4 * r + i];
-                    }
-                    s[r] += code * xq[g * G + k];
-                }
-        const float dxg = dx[(g * G) / 32], dsg = G == 32 ? ds32[g] : ds16[g];
+                s[r] += (int16_t)(wj[4 * r] * x0 + wj[4 * r + 1] * x1 + wj[4 * r + 2] * x2 + wj[4 * r + 3] * x3);
+        else
+            for (int r = 0; r < 16; r++)
+                s[r] += wj[4 * r] * x0 + wj[4 * r + 1] * x1 + wj[4 * r + 2] * x2 + wj[4 * r + 3] * x3;
+    }
+#endif
+}
+
+/* Rows t0 .. t0 + nt - 1 (nt <= PORTABLE_ROWS) of y against one block of 16 output rows (y: the block's first
+ * column, rows ldy apart) */
+static __attribute__((unused)) void block_portable(int bits, int sk, long K, long G, const qrows *x, long t0, int nt,
+                                                  const uint8_t *codes, const void *scale, const void *minv,
+                                                  const float *bias, float *y, long ldy) {
+    float acc[PORTABLE_ROWS][16] = {{0}};
+    uint8_t w[512];
+    const long groups = K / G;
+    for (long g = 0; g < groups; g++) {
+        decode_group_portable(bits, G, codes, g, w);
+        float d[16], m[16];
         for (int r = 0; r < 16; r++) {
-            const float d = scale_at(scale, g, r, sk, K / G, G);
-            acc[r] = fmaf((float)s[r], d * dxg, acc[r]);
-            acc[r] = fmaf(minv ? scale_at(minv, g, r, sk, K / G, G) : SYM_MIN(bits) * d, dsg, acc[r]);
+            d[r] = scale_at(scale, g, r, sk, groups, G);
+            m[r] = minv ? scale_at(minv, g, r, sk, groups, G) : SYM_MIN(bits) * d[r];
+        }
+        for (int t = 0; t < nt; t++) {
+            const long row = t0 + t;
+            int32_t s[16];
+            const int32_t *xs = x->xs16 + row * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
+            group_sums_portable(bits, G, w, x->q + row * K + g * G, G == 32 ? xs[0] + xs[1] : xs[0], s);
+            const float dxg = x->dx[row * (K / 32) + (g * G) / 32];
+            const float dsg = G == 32 ? x->ds32[row * (K / 32) + g] : x->ds16[row * (K / 16) + g];
+            for (int r = 0; r < 16; r++) {
+                acc[t][r] = fmaf((float)s[r], d[r] * dxg, acc[t][r]);
+                acc[t][r] = fmaf(m[r], dsg, acc[t][r]);
+            }
         }
     }
-    for (int r = 0; r < 16; r++) y[r] = bias ? acc[r] + bias[r] : acc[r];
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < 16; r++) y[(t0 + t) * ldy + r] = bias ? acc[t][r] + bias[r] : acc[t][r];
 }
 
 /* This thread's share of y [T, N] = x @ W.T (+ bias) for an x16 weight W [N, K] (N a multiple of 16), x already
@@ -579,9 +652,9 @@ static void linear_x16_ws(int form, long T, long N, long K, long G, const qrows 
         else
             BLOCK_ROWS(8, 16, 1, 0);
 #else
-        for (long t = 0; t < T; t++)
-            block_portable(bits, sk, K, G, x->q + t * K, x->dx + t * (K / 32), x->ds16 + t * (K / 16),
-                           x->ds32 + t * (K / 32), c, s, m, bb, y + t * N + nb * 16);
+        for (long t0 = 0; t0 < T; t0 += PORTABLE_ROWS)
+            block_portable(bits, sk, K, G, x, t0, (int)(T - t0 < PORTABLE_ROWS ? T - t0 : PORTABLE_ROWS), c, s, m, bb,
+                           y + nb * 16, N);
 #endif
     }
 }

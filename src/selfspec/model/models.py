@@ -239,7 +239,7 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
     quantise the linear layers (weight-only, groups of 32) of any model.  ``prefill_dtype`` (process-wide;
     quantised weights only): ``"float32"`` (default) or ``"bfloat16"``, see
     :func:`selfspec.core.quant.prefill_dtype`; ``activations`` (process-wide; quantised weights only): ``"auto"``
-    (default: int8 where the CPU has AVX512-VNNI, AVX-VNNI or AVX2), ``"int8"`` or ``"float32"``, see
+    (default: int8 wherever the native kernels build), ``"int8"`` or ``"float32"``, see
     :func:`selfspec.core.quant.int8_activations`."""
     if prefill_dtype is not None or activations is not None:
         from ..core.quant import set_activations, set_prefill_dtype
