@@ -17,7 +17,8 @@ class, and ``selfspec kernels`` reports it with every candidate's time.
 Knobs (the native library's setters):
 
 * ``int8_prefetch``: bytes ahead of the int8 products' software prefetch
-  (0 = none), ``selfspec_set_int8_prefetch``;
+  (0 = none), ``selfspec_set_int8_prefetch`` (the x86 vector builds: ARM's and
+  the portable loops have no software prefetch);
 * ``pass_threads``: threads of a decoding pass (1, half, or all the threads
   torch may use), ``selfspec_set_pass_threads``: where the two vCPUs of a VM
   are hyperthreads of one core, or another process holds one, a second thread
@@ -108,14 +109,16 @@ def tune_model(model, *, force: bool = False) -> list[TuneResult]:
     from . import quant
 
     engine = model.engine
-    if not getattr(engine, "fused", False) or not quant.int8_activations() or not quant.int8_kernels_available():
+    if not getattr(engine, "fused", False) or not quant.int8_activations():
         return []
     lib = quant.native()
     size_class = int(math.log2(max(1, quant.quantized_bytes(model.hf, read=True)) / 1e6) + 0.5)  # MB, powers of 2
     key = f"{quant.library_path().stem}-w{size_class}"
     timer = _one_token_pass(model)
-    results = [tune("int8_prefetch", PREFETCH_CANDIDATES, PREFETCH_DEFAULT, lib.selfspec_set_int8_prefetch,
-                    timer, key=key, force=force)]  # fmt: skip
+    results = []
+    if quant.int8_kernels_available():  # the x86 vector products prefetch; ARM's and the portable loops do not
+        results.append(tune("int8_prefetch", PREFETCH_CANDIDATES, PREFETCH_DEFAULT, lib.selfspec_set_int8_prefetch,
+                            timer, key=key, force=force))  # fmt: skip
     threads = native_thread.threads()  # the user's --threads / OMP_NUM_THREADS: the most a pass may use
     lib.selfspec_set_pass_threads(threads)
     if threads > 1:
