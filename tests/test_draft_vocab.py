@@ -31,6 +31,30 @@ def test_subset_rows_score_as_the_full_head_does(bits):
     assert torch.equal(vocab.token_ids(sub.argmax(-1)), torch.where(inside, full, float("-inf")).argmax(-1))
 
 
+def test_ids_added_to_the_base_stay_whatever_is_learned_and_restored():
+    """The end-of-sequence ids join the base at load (Qwen2.5's <|im_end|> is id 151645): a benchmark's restore
+    and the learned ids' eviction keep them, and the base cannot grow once ids were learned."""
+    head = quantize_weight(torch.randn(3000, 64, generator=torch.Generator().manual_seed(0)), 8)
+    vocab = DraftVocabulary(head, base=100)
+    vocab.add_to_base([2999, 5, 2999, 4000])  # repeats, known and out-of-range ids are ignored
+    assert vocab.base_size == vocab.size == 101 and bool(vocab.member[2999])
+    vocab.add(torch.tensor([1500, 1600]))
+    assert vocab.learned() == [1500, 1600]
+    vocab.restore([])
+    assert vocab.size == 101 and bool(vocab.member[2999]) and not bool(vocab.member[1500])
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
+    vocab.add(torch.tensor([1700]))
+    with pytest.raises(RuntimeError, match="after ids were learned"):
+        vocab.add_to_base([1800])
+
+
+def test_a_loaded_models_end_of_sequence_ids_are_in_its_draft_vocabulary(smollm2):
+    vocab = smollm2.engine.draft_vocab
+    assert vocab is not None and smollm2.eos_token_ids
+    assert all(bool(vocab.member[i]) and i in vocab.ids[: vocab.base_size].tolist() for i in smollm2.eos_token_ids)
+
+
 def test_the_subset_stops_growing_at_half_the_vocabulary():
     head = quantize_weight(torch.randn(1000, 32), 8)
     vocab = DraftVocabulary(head, base=100)

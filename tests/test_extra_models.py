@@ -117,6 +117,8 @@ def test_qwen_loads_quantised_and_fused(qwen):
     assert all(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj"))
     assert qwen.adapter.quantized_head() is not None and qwen.hf.lm_head is not qwen.hf.model.embed_tokens
     assert qwen.num_layers == 24 and qwen.adapter.vocab_size > 150_000 and qwen.has_chat_template
+    end = qwen.tokenizer.convert_tokens_to_ids("<|im_end|>")  # id 151645: far past the draft vocabulary's base
+    assert end in qwen.eos_token_ids and bool(qwen.engine.draft_vocab.member[end])
 
 
 @needs_qwen

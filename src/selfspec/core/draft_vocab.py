@@ -64,6 +64,19 @@ class DraftVocabulary:
             self._repack(0, self.capacity)  # at load: a first draft would pay it (20 ms on SmolLM2)
         self.base_size = self.size
 
+    def add_to_base(self, token_ids) -> None:
+        """Make these ids part of the base, which every draft scores for good (the model's end-of-sequence and
+        end-of-turn tokens: Qwen2.5's ``<|im_end|>`` is id 151645, far past the lowest ids, so a draft could
+        never propose the end of an answer and drafted on past it).  Called at load, before anything is learned."""
+        if self.size != self.base_size:
+            raise RuntimeError("add_to_base after ids were learned")
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int64).reshape(-1)
+        ids = torch.unique(ids[(ids >= 0) & (ids < self.vocab_size)])
+        ids = ids[~self.member[ids]]
+        if len(ids):
+            self._append(ids)
+        self.base_size = self.size
+
     def learned(self) -> list[int]:
         """The ids added after the base, in the order they came (what :meth:`restore` takes back)."""
         return self.ids[self.base_size : self.size].tolist()

@@ -140,6 +140,8 @@ class Model:
         self.hf.eval()
         self.adapter = adapter_for(self.hf)
         self.engine = Engine(self.adapter)
+        if self.engine.draft_vocab is not None:  # a draft may propose the end of the answer, wherever its id lies
+            self.engine.draft_vocab.add_to_base(self.eos_token_ids)
         self.choose_kernels(force=False)
 
     def choose_kernels(self, *, force: bool = False) -> KernelReport:
