@@ -207,7 +207,8 @@ def test_the_default_number_of_slots_follows_the_batch_curve():
 
 
 def test_prompt_chunks_are_the_fewest_rows_read_nearly_as_fast_as_the_most():
-    # per row: 8 rows 2.5 ms, 16 rows 1.5, 32 rows 1.0, 64 rows 0.95: 32 is within 15% of the best
-    assert prompt_chunk(_profile({1: 10.0, 8: 20.0, 16: 24.0, 32: 32.0, 64: 61.0})) == 32
+    # per row: 8 rows 2.5 ms, 16 rows 1.5, 32 rows 1.0, 64 rows 0.98 (within 2% of 32) or 0.95 (5% below it)
+    assert prompt_chunk(_profile({1: 10.0, 8: 20.0, 16: 24.0, 32: 32.0, 64: 63.0})) == 32  # within CHUNK_SLACK
+    assert prompt_chunk(_profile({1: 10.0, 8: 20.0, 16: 24.0, 32: 32.0, 64: 61.0})) == 64  # 5% cheaper per row
     assert prompt_chunk(_profile({1: 10.0, 8: 12.0, 16: 24.0, 64: 96.0})) == 8  # per row rises with rows
     assert prompt_chunk(_profile({1: 10.0, 2: 11.0, 4: 12.0})) == StepBatcher.PROMPT_CHUNK  # no grid to read
