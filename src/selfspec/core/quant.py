@@ -162,38 +162,34 @@ def activations(name: str) -> Iterator[None]:
         _ACTIVATIONS = old
 
 
-_VNNI: bool | None = None
+_INT8_KIND: int | None = None  # selfspec_int8_kernels() of the loaded library; -1: no native library here
+_INT8_NAMES = {1: "AVX512-VNNI", 2: "AVX2", 3: "AVX-VNNI", 4: "ARM sdot", 0: "portable C",
+               -1: "none (no native kernels)"}  # fmt: skip
+
+
+def _int8_kind() -> int:
+    """Which code computes the int8-activation products (int8_kernels.c: ``selfspec_int8_kernels``), -1 where the
+    native library cannot be built or loaded."""
+    global _INT8_KIND
+    if _INT8_KIND is None:
+        try:
+            _INT8_KIND = int(native().selfspec_int8_kernels())
+        except NativeUnavailable:
+            return -1
+    return _INT8_KIND
 
 
 def int8_kernels_available() -> bool:
     """Whether the int8-activation products run on hand-written vector instructions here (``int8_kernels.c``:
     AVX512-VNNI, AVX-VNNI, AVX2's vpmaddubsw or ARM's sdot; see :func:`int8_kernels_name`), not the portable
     loops."""
-    global _VNNI
-    if _VNNI is None:
-        try:
-            _VNNI = bool(native().selfspec_int8_kernels())
-        except NativeUnavailable:
-            return False
-    return _VNNI
-
-
-def _native_available() -> bool:
-    try:
-        native()
-    except NativeUnavailable:
-        return False
-    return True
+    return _int8_kind() > 0
 
 
 def int8_kernels_name() -> str:
     """Which instructions compute the int8-activation products: "AVX512-VNNI", "AVX-VNNI", "AVX2", "ARM sdot" or
     "portable C"."""
-    try:
-        kind = int(native().selfspec_int8_kernels())
-    except NativeUnavailable:
-        return "none (no native kernels)"
-    return {1: "AVX512-VNNI", 2: "AVX2", 3: "AVX-VNNI", 4: "ARM sdot"}.get(kind, "portable C")
+    return _INT8_NAMES.get(_int8_kind(), "portable C")
 
 
 def int8_activations() -> bool:
@@ -209,7 +205,7 @@ def int8_activations() -> bool:
     if _ACTIVATIONS is None:
         set_activations(os.environ.get(ACTIVATIONS_ENV, "").strip() or "auto")
     if _ACTIVATIONS == "auto":
-        return _native_available()
+        return _int8_kind() >= 0
     return _ACTIVATIONS == "int8"
 
 
