@@ -24,9 +24,10 @@ SAMPLED = dict(temperature=0.9, top_p=0.95, seed=11)
 
 @pytest.fixture(autouse=True)
 def int8_activations_on_any_cpu(request):
-    """Reuse needs the row kernels (int8 activations), the default only on CPUs with AVX512-VNNI or AVX2: the
-    tiny models are made and run with them forced (the portable loops elsewhere), so the module checks exactness
-    on any CPU; the built-in models keep the machine's default and skip where it refuses reuse (:func:`reusing`)."""
+    """Reuse needs the row kernels (int8 activations), the default wherever the native kernels build, but not
+    under --activations float32: the tiny models are made and run with them forced, so the module checks
+    exactness on any CPU and setting; the built-in models keep the machine's default and skip where it refuses
+    reuse (:func:`reusing`)."""
     if "qtiny" not in request.fixturenames:
         yield
         return

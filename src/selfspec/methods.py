@@ -410,7 +410,7 @@ METHODS["auto"] = MethodSpec(
         **{k: v for k, v in METHODS["asd"].options.items() if k not in ("draft_length",) + ASD_PINNED + ("preset",)},
         "budget": f"layerskip=swift: most skip-set search time as a share of decoding time (default "
         f"{AUTO_SEARCH_BUDGET})",
-        "layerskip": "the self-draft source: asd (default: ASD's automatic choice), swift (its on-line search) or "
+        "layerskip": "the self-draft source: asd (default: ASD's automatic choice), swift (its on-line search), "
         "lowbit (the whole model in 4-bit copies of its weights) or vocab (the whole model over its draft vocabulary, "
         "verified by the head alone)",
         "max_ngram": METHODS["pld"].options["max_ngram"],

@@ -72,8 +72,8 @@ def inexact_reason(engine: Any) -> str | None:
         return (
             f"the prompt's products take the {quant.prefill_kernel()!r} kernel (prefill dtype "
             f"{str(quant.prefill_dtype()).removeprefix('torch.')}), whose rows differ in rounding from "
-            "one-token rows; reuse needs the row kernels (int8 activations, the default on CPUs with AVX512-VNNI "
-            "or AVX2)"
+            "one-token rows; reuse needs the row kernels (int8 activations, the default wherever the native "
+            "kernels build)"
         )
     return None
 
