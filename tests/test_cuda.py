@@ -1,14 +1,22 @@
 """The CUDA path (torch's kernels; the fused CPU stack never runs there): every method keeps vanilla's greedy
-tokens and seeded samples on tiny random models of three architectures, in float32 and bfloat16.  Skipped
-without a CUDA GPU (CI has none); run on one with ``pytest tests/test_cuda.py``."""
+tokens and seeded samples on tiny random models of three architectures, in float32 and bfloat16; concurrent
+requests through one batcher (the server's slots) each get their tokens alone; a session's prefix store says
+why it stays unused there and its turns equal fresh ones; the CLI takes ``--device cuda``.  Skipped without a
+CUDA GPU (CI has none); run on one with ``pytest tests/test_cuda.py``."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from conftest import char_tokenizer, tiny_config
 
 import selfspec
+from selfspec.api import Session
+from selfspec.core.prefix_store import inexact_reason
+from selfspec.core.sampling import SamplingParams
+from selfspec.decoding.batch import StepBatcher
 from selfspec.methods import METHODS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
@@ -55,3 +63,53 @@ def test_load_takes_device_and_dtype(tmp_path):
     model = selfspec.load(str(tmp_path), device="cuda", dtype="bfloat16")
     assert model.engine.device.type == "cuda" and next(model.hf.parameters()).dtype == torch.bfloat16
     assert len(selfspec.generate(model, "Hi", "swift", max_new_tokens=8).token_ids) == 8
+
+
+def test_concurrent_requests_on_cuda_get_their_tokens_alone():
+    """The server's slots on a GPU: each request decodes in its own thread through one batcher (passes run the
+    items in turn off the fused stack), a client leaves mid-stream, and every other request gets its tokens
+    alone."""
+    from test_batch import _run_together
+
+    model = _cuda_model("llama", torch.float32)
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    jobs = [("vanilla", "The capital of France is", 24, SamplingParams(), None),
+            ("pld", "def reverse(xs):\n    return", 32, SamplingParams(), None),
+            ("asd", "Once upon a time", 24, SamplingParams(), None),
+            ("auto", "List three colours: red,", 16, seeded, None),
+            ("vanilla", "Hello there", 40, SamplingParams(), 3)]  # fmt: skip
+    alone = {i: Session(model, m, prefix_cache=0).generate(
+                 p, max_new_tokens=n, temperature=s.temperature, top_p=s.top_p, seed=s.seed).token_ids
+             for i, (m, p, n, s, stop) in enumerate(jobs) if stop is None}  # fmt: skip
+    batcher = StepBatcher(model.engine)
+    together = _run_together(model, jobs, batcher)
+    assert together.pop(4) == "left"
+    assert together == alone
+    assert batcher.stats.passes > 0 and batcher.members == 0
+
+
+def test_a_session_on_cuda_says_why_its_prefix_store_is_unused_and_keeps_its_tokens():
+    model = _cuda_model("qwen2", torch.float32)
+    reason = inexact_reason(model.engine)
+    assert reason is not None and "transformers' modules" in reason
+    session = Session(model, "vanilla")
+    assert not session.prefix_store.usable(model.engine)
+    first = session.generate("Hello there", max_new_tokens=12)
+    turn2 = "Hello there" + first.text + " And then"
+    again = session.generate(turn2, max_new_tokens=12).token_ids
+    assert again == Session(model, "vanilla", prefix_cache=0).generate(turn2, max_new_tokens=12).token_ids
+    assert session.prefix_store.stats().hits == 0
+
+
+def test_the_cli_generates_on_cuda(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.cli import main
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    args = ["generate", "--model", str(tmp_path), "--device", "cuda", "--prompt", "Hi", "--max-new-tokens", "8"]
+    assert main([*args, "--method", "auto", "--compare", "--json"]) in (0, None)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["identical"] and len(report["token_ids"]) == 8
