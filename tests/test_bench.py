@@ -306,7 +306,7 @@ def test_cli_bench_stream_mode(cli_on_tiny, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--dataset", "nope"], "unknown dataset 'nope'"),
+        (["--dataset", "nope"], "unknown dataset 'nope': not one of xsum, humaneval, mtbench, spec-bench"),
         (["--limit", "0"], "--limit must be >= 1"),
         (["--methods", "asd:alpha=2x"], "bad option value"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),

@@ -64,7 +64,8 @@ def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offs
     else:
         path = Path(name)
         if not path.is_file():
-            raise InvalidInputError(f"unknown dataset '{name}': not one of {', '.join(DATASETS)} nor a JSONL file")
+            raise InvalidInputError(f"unknown dataset '{name}': not one of "
+                                    f"{', '.join([*DATASETS, SPEC_BENCH])} nor a JSONL file")  # fmt: skip
         items = [_from_jsonl(r, i, path.stem, chat) for i, r in enumerate(_read_records(path))]
     items = items[offset:]
     return items[:limit] if limit is not None else items
