@@ -154,6 +154,8 @@ def test_seeded_sampling_is_vanilla_samplings_tokens(server, smollm2):
         ({"messages": CHAT, "max_tokens": 100000}, 400, "at most 512"),
         ({"messages": CHAT, "n": 2}, 400, "n=1"),
         ({"messages": CHAT, "logprobs": True}, 400, "not supported"),
+        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "not supported"),
+        ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "not supported"),
         ({"messages": CHAT, "colour": "blue"}, 400, "unknown field"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "user", "content": "x " * 20000}]}, 400, "context"),
@@ -168,6 +170,27 @@ def test_bad_requests_get_openai_style_errors(server, body, status, words):
     assert code == status, reply
     error = reply["error"]
     assert words in error["message"] and error["type"]
+
+
+def test_a_client_sending_every_default_gets_the_plain_answer(server):
+    """Clients that send each OpenAI field at its default (``"logprobs": false``, ``"tools": []``, nulls) are
+    answered as without them; the same fields asking for something are refused (above)."""
+    plain = {"messages": CHAT, "max_tokens": 8, "temperature": 0}
+    defaults = {**plain, "logprobs": False, "top_logprobs": None, "n": 1, "presence_penalty": 0,
+                "frequency_penalty": None, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+                "logit_bias": {}, "stream": False, "user": "u", "store": False, "metadata": None}  # fmt: skip
+    answers = []
+    for body in (plain, defaults):
+        code, reply = post(f"{server.url}/v1/chat/completions", json.dumps(body).encode())
+        assert code == 200, reply
+        answers.append(reply["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1] and answers[0]
+    code, reply = post(f"{server.url}/v1/completions",
+                       json.dumps({"prompt": "Hello", "max_tokens": 4, "logprobs": None, "echo": False,
+                                   "best_of": 1, "suffix": None}).encode())  # fmt: skip
+    assert code == 200, reply
+    code, reply = post(f"{server.url}/v1/completions", json.dumps({"prompt": "Hello", "logprobs": 0}).encode())
+    assert code == 400 and "logprobs" in reply["error"]["message"], "logprobs 0 asks for the chosen tokens' ones"
 
 
 def _stream_and_hang_up(url: str, max_tokens: int) -> None:

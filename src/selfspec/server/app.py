@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from ..decoding.loop import check_lengths
 from ..errors import InvalidInputError
 from ..methods import METHODS
-from .schemas import ApiError, ChatRequest, CompletionRequest
+from .schemas import UNSUPPORTED_OPENAI_FIELDS, ApiError, ChatRequest, CompletionRequest
 from .worker import Job, QueueFull, Worker, loop_emitter
 
 
@@ -142,11 +142,6 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
     return await _gather(request, job, events, reply)
 
 
-UNSUPPORTED_OPENAI_FIELDS = {
-    "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-    "response_format", "logit_bias", "suffix", "best_of", "modalities", "audio", "prediction", "reasoning_effort",
-    "service_tier", "store", "metadata",
-}  # fmt: skip
 KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
 
 

@@ -2,7 +2,10 @@
 
 Unknown fields are refused (a typo must not be silently ignored); fields of the
 OpenAI schema that we do not implement (``logprobs``, ``tools``, ``n`` > 1,
-penalties other than 0) are refused with a message saying so.  Our own
+penalties other than 0) are refused with a message saying so, unless they ask
+for nothing: many clients send every field with its default (``"logprobs":
+false``, ``"tools": []``, ``"response_format": {"type": "text"}``, null), and
+those requests are answered as without them.  Our own
 extensions ride in the body as the ``openai`` client's ``extra_body`` puts them:
 ``top_k``, ``min_p``, ``repetition_penalty`` and ``selfspec: {"method": ...,
 "sampling_scheme": ...}``.
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling import SamplingParams
 
@@ -47,8 +50,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields we do not implement, each with the values that ask for nothing (a client sending its defaults)
+UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "suffix": (None, ""),
+    "best_of": (None, 1), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
+    "metadata": (None, {}),
+}  # fmt: skip
+
+
+def _asks_nothing(field: str, value: Any) -> bool:
+    # (False == 0 in Python: a bool must match a bool, a number a number)
+    return any(value == off and isinstance(value, bool) == isinstance(off, bool)
+               for off in UNSUPPORTED_OPENAI_FIELDS[field])  # fmt: skip
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_fields_that_ask_nothing(cls, data: Any) -> Any:
+        """An unsupported field at its "off" value (``"logprobs": false``, ``"tools": []``, null) is dropped; at
+        any other value it stays, and validation refuses it as not supported."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if not (k in UNSUPPORTED_OPENAI_FIELDS and _asks_nothing(k, v))}
+            for name in ("n", "presence_penalty", "frequency_penalty", "echo"):  # null: the default
+                if data.get(name, 0) is None:
+                    del data[name]
+        return data
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default is 1
