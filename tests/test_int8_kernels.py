@@ -28,7 +28,8 @@ from selfspec.core.quant import (
 )
 from selfspec.errors import SelfspecError
 
-KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0"]  # q4 and q8 forms; Q6_K: groups of 16
+# q4 and q8 forms; Q6_K: groups of 16; Q2_K, Q3_K: byte codes in groups of 16, with and without minima
+KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0", "Q2_K", "Q3_K"]
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def test_int8_products_match_the_dequantised_weight_within_activation_rounding(k
 
 
 @pytest.mark.usefixtures("int8_activations")
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q2_K"])
 def test_an_int8_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind):
     qw = from_gguf(kind, random_blocks(kind, 64, 768), 64, 768)
     assert_rows_are_independent(qw, torch.randn(13, 768, generator=torch.Generator().manual_seed(2)))
@@ -213,7 +214,7 @@ def test_the_fused_stack_follows_the_activation_mode(smollm2):
 
 @pytest.mark.parametrize("kind, compact", [("Q4_1", True), ("Q4_K", True), ("Q8_0", True), ("Q6_K", True),
                                            ("Q5_0", True), ("Q5_1", True), ("Q5_K", True), ("Q5_1", False),
-                                           ("Q6_K", False)])  # fmt: skip
+                                           ("Q6_K", False), ("Q3_K", True), ("Q3_K", False)])  # fmt: skip
 def test_a_released_row_form_is_rebuilt_bit_for_bit(kind, compact, monkeypatch):
     """Under int8 activations a layer's weight may keep its interleaved copy only; reading the row form rebuilds
     it exactly (with 5-bit codes at a byte each, q8 weights with minima keep both: their stored minimum - 128 *
@@ -294,7 +295,8 @@ def test_a_model_loaded_under_int8_keeps_one_form_of_its_weights():
 
 
 @pytest.mark.usefixtures("int8_activations")
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0->q4", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0->q4", "Q4_K", "Q5_K", "Q6_K",
+                                  "Q3_K"])  # fmt: skip
 def test_half_scales_give_the_products_of_fp32_scales_bit_for_bit(kind, monkeypatch):
     """Types whose scales are halves in the file (and the 4-bit draft copies) keep them as halves in the
     interleaved copy, the K-quants as their sub-scales (a byte per group times a half per 256 weights): fewer bytes
@@ -304,7 +306,7 @@ def test_half_scales_give_the_products_of_fp32_scales_bit_for_bit(kind, monkeypa
     qw = low_bit_copy(qw) if "->" in kind else qw
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
     y = qw.matmul(x)
-    sub = kind in ("Q4_K", "Q5_K", "Q6_K")  # K-quant scales are products of a half and a 6- or 8-bit integer
+    sub = kind in ("Q4_K", "Q5_K", "Q6_K", "Q3_K")  # K-quant scales are products of a half and a 6- or 8-bit integer
     assert qw.x16()[1].dtype == (torch.uint8 if sub else torch.float16)
     assert qw.x16_form & (quant.X16_SUB8 if sub else quant.X16_SCALE16)
     monkeypatch.setattr(quant, "_half_scales", lambda *args: False)

@@ -8,6 +8,7 @@ import platform
 import shutil
 import struct
 import subprocess
+import warnings
 
 import gguf
 import numpy as np
@@ -23,6 +24,7 @@ from selfspec.core.quant import (
     REPACKED_TYPES,
     SOURCE,
     QuantLinear,
+    activations,
     from_gguf,
     quantize_linears,
     quantize_weight,
@@ -35,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("fp32_activations")
 
 # byte offsets of the fp16 fields of each block type (random bytes there could be NaN or inf)
 FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-               "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82]}  # fmt: skip
+               "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0]}  # fmt: skip
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 2e-2) -> np.ndarray:
@@ -81,7 +83,7 @@ def test_real_tensors_of_the_builtin_files_decode_exactly(name):
     assert seen & set(REPACKED_TYPES)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_1", "Q2_K", "Q3_K"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, PREFILL_ROWS + 5])
 def test_product_matches_the_dequantised_weight(kind, rows):
     data = random_blocks(kind, 96, 768, seed=rows)
@@ -103,7 +105,7 @@ def assert_rows_are_independent(qw, x: torch.Tensor) -> torch.Tensor:
     return together
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_1", "Q3_K"])
 @pytest.mark.parametrize("out_rows", [64, 37])
 def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind, out_rows):
     """What keeps speculative decoding lossless: a verified token's logits equal a one-token step's (any number of
@@ -174,13 +176,31 @@ def _copy_with_tensor_type(src, dst, tensor: str, kind: str) -> None:
 
 
 def test_unsupported_tensor_type_is_dequantised_with_a_warning(tmp_path):
-    path = tmp_path / "smollm2-q2k.gguf"
-    _copy_with_tensor_type(_builtin_gguf(BUILTINS["smollm2-135m"]), path, "blk.3.ffn_down.weight", "Q2_K")
-    with pytest.warns(UserWarning, match=r"Q2_K \(1 tensors\).*dequantised"):
+    path = tmp_path / "smollm2-iq4nl.gguf"
+    _copy_with_tensor_type(_builtin_gguf(BUILTINS["smollm2-135m"]), path, "blk.3.ffn_down.weight", "IQ4_NL")
+    with pytest.warns(UserWarning, match=r"IQ4_NL \(1 tensors\).*dequantised"):
         model = selfspec.load(str(path))
     down = model.hf.model.layers[3].mlp.down_proj
     assert isinstance(down, torch.nn.Linear) and not isinstance(down, QuantLinear)
     assert selfspec.generate(model, "One two three", "vanilla", max_new_tokens=4).token_ids
+
+
+@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K"])
+def test_two_and_three_bit_k_quants_stay_quantised_and_drafts_stay_lossless(kind, tmp_path):
+    """Q2_K and Q3_K tensors (Q2_K / Q3_K_M files) are repacked, not dequantised to float32; under int8
+    activations (the default) a speculative method keeps vanilla's tokens on such a file."""
+    path = tmp_path / f"smollm2-{kind}.gguf"
+    _copy_with_tensor_type(_builtin_gguf(BUILTINS["smollm2-135m"]), path, "blk.3.ffn_down.weight", kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "dequantised" warning
+        model = selfspec.load(str(path))
+    down = model.hf.model.layers[3].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.qweight.source == kind and down.qweight.group == 16
+    with activations("int8"):
+        vanilla = selfspec.generate(model, "One two three four", "vanilla", max_new_tokens=12).token_ids
+        drafted = selfspec.generate(model, "One two three four", "static", max_new_tokens=12,
+                                    skip_set={"attention": [], "mlp": [20, 21, 22]})  # fmt: skip
+    assert drafted.token_ids == vanilla and drafted.stats.drafted > 0, "verification passes of several rows ran"
 
 
 def test_truncated_and_foreign_gguf_files_get_clear_errors(tmp_path):

@@ -7,9 +7,9 @@ bit for bit what ``gguf.dequantize`` gives):
 
 * ``q4``: 4-bit codes, groups of 32, fp32 scale and minimum per group (Q4_0, Q4_1, Q4_K);
 * ``q8``: one byte per code, groups of 16 or 32, fp32 scale and optional minimum per
-  group (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K; 5- and 6-bit codes take a byte each).
+  group (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K; 2- to 6-bit codes take a byte each).
 
-Other GGUF types (Q2_K, Q3_K, the IQ family, ...) have no repack yet: the loader
+Other GGUF types (the IQ family, Q4_0_4_4, ...) have no repack yet: the loader
 dequantises those tensors with a warning naming the type.
 
 Products run in ``quant_kernels.c``, compiled once per machine with the system C
@@ -397,7 +397,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 # GGUF types whose codes the interleaved copy holds at their own width (int8_kernels.c's compact forms): type ->
 # (bits, group, whether a minimum is stored).  The row form keeps them as a byte per code.
-COMPACT_TYPES = {"Q5_0": (5, 32, False), "Q5_1": (5, 32, True), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False)}
+# (Q3_K's codes, -4..3, take Q6_K's 6-bit form: the same kernel, a third the bytes of a byte per code.)
+COMPACT_TYPES = {"Q5_0": (5, 32, False), "Q5_1": (5, 32, True), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False),
+                 "Q3_K": (6, 16, False)}  # fmt: skip
 COMPACT_ENV = "SELFSPEC_COMPACT_CODES"  # 0: 5- and 6-bit codes take a byte each in the interleaved copy too (A/B)
 _COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
 
@@ -407,7 +409,7 @@ HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 X16_SCALE16 = 0x100  # int8_kernels.c: a product's form = bits per code | this flag for half scales
 # The K-quants' scales are small integers times a half per 256 weights: their interleaved copies keep that form
 # (int8_kernels.c's X16_SUB8: a signed byte per group, a half per 256 weights; exact), 1.1-1.25 bytes a scale
-SUB_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+SUB_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K")
 X16_SUB8 = 0x200
 SUB_SCALES_ENV = "SELFSPEC_SUB_SCALES"  # 0: the K-quants' copies hold fp32 scales (A/B)
 _SUB_SCALES = os.environ.get(SUB_SCALES_ENV, "1").strip() != "0"
@@ -904,6 +906,12 @@ def k_sub_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None
     if kind == "Q6_K":
         sc, d = blocks[:, 192:208].copy().view(np.int8), blocks[:, 208:210].copy().view(np.float16).reshape(-1)
         return sc, d, None, None
+    if kind == "Q3_K":  # sixteen 6-bit scales, low nibbles in bytes 96-103, high pairs in 104-107, minus 32
+        nb, raw = len(blocks), blocks[:, 96:108]
+        low = (raw[:, :8].reshape(nb, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(nb, 16) & 15
+        high = (raw[:, 8:].reshape(nb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(nb, 16)
+        sc = ((low | ((high & 3) << 4)).astype(np.int16) - 32).astype(np.int8)
+        return sc, blocks[:, 108:110].copy().view(np.float16).reshape(-1), None, None
     return None
 
 
@@ -960,10 +968,41 @@ def _repack_rows(kind: str, blocks: np.ndarray,
         hi = ((qh.reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3)
         q = (lo | (hi << 4)).astype(np.int16) - 32
         return "q8", 16, q.astype(np.int8).reshape(nb, 256), d * sc, None
+    if kind in ("Q2_K", "Q3_K"):
+        return _repack_low_k(kind, blocks, sub)
     raise KeyError(kind)
 
 
-REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
+    """The 2-bit fields of a Q2_K / Q3_K block's 64 code bytes as 256 codes in element order: each half of the
+    block (128 weights) reads its 32 bytes four times, at bit 0, 2, 4 and 6, for 32 weights each."""
+    nb = qs.shape[0]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((qs.reshape(nb, 2, 1, 32) >> shifts) & 3).reshape(nb, 256)
+
+
+def _repack_low_k(kind: str, blocks: np.ndarray, sub: tuple | None) -> tuple[str, int, np.ndarray, np.ndarray,
+                                                                          np.ndarray | None]:  # fmt: skip
+    """Q2_K and Q3_K (256 weights a block, a scale per 16) as codes in groups of 16 with the same values.  Q2_K:
+    weight = d * (s & 15) * q - dmin * (s >> 4), q in 0..3 (bytes 0-15 the 4-bit scale and minimum of each 16,
+    16-79 the codes, then d and dmin as halves), held as a byte per code and fp32 scales and minima (12 bits a
+    weight where the file holds 2.6).  Q3_K: weight = d * (s - 32) * q, q in -4..3 (bytes 0-31 the codes' third
+    bits, clear where 4 is subtracted; 32-95 their low two bits; 96-107 the 6-bit scales s, :func:`k_sub_scales`;
+    then d), whose interleaved copy takes Q6_K's form (6.6 bits a weight where the file holds 3.4)."""
+    nb = blocks.shape[0]
+    if kind == "Q2_K":
+        s, d, dmin = blocks[:, :16], _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+        scale = d * (s & 15).astype(np.float32)
+        minv = -(dmin * (s >> 4).astype(np.float32))
+        return "q8", 16, _two_bit_fields(blocks[:, 16:80]).astype(np.int8), scale, minv
+    sc, d, _, _ = sub
+    scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+    third = ((blocks[:, :32].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(nb, 256)
+    q = _two_bit_fields(blocks[:, 32:96]).astype(np.int16) - 4 * (1 - third.astype(np.int16))
+    return "q8", 16, q.astype(np.int8), scale, None
+
+
+REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
 
 
 CHUNK_BYTES = 8 << 20  # raw GGUF bytes repacked at a time (keeps the load's transient memory small)
