@@ -304,7 +304,7 @@ needs_split_products = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "Q5_1", "Q2_K", "Q3_K"])
 @pytest.mark.parametrize("rows,out", [(PREFILL_ROWS, 96), (137, 70)])  # 70 outputs: a short last panel
 def test_the_blocked_prompt_kernel_is_as_accurate_as_fp32(kind, rows, out, monkeypatch):
     """prompt_gemm.c (panels of 32 decoded output rows, 8 rows of x at a time) against fp64, on every storage
@@ -344,7 +344,7 @@ def test_activations_split_exactly_into_three_bfloat16_pieces():
 
 
 @needs_split_products
-@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "Q6_K", "Q8_0", "Q5_1", "Q2_K", "Q3_K"])
 @pytest.mark.parametrize("rows", [PREFILL_ROWS, 130])
 def test_prompt_products_are_as_accurate_as_fp32_on_decoded_tiles(kind, rows, monkeypatch):
     """Prefill-sized products: the split-bf16 kernel (every storage form: q4 with minimums, q8 in groups of 16
