@@ -28,8 +28,8 @@ from selfspec.core.quant import (
 )
 from selfspec.errors import SelfspecError
 
-# q4 and q8 forms; Q6_K: groups of 16; Q2_K, Q3_K: byte codes in groups of 16, with and without minima
-KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0", "Q2_K", "Q3_K"]
+# q4 and q8 forms; Q6_K: groups of 16; Q2_K, Q3_K: codes in groups of 16, with and without minima; IQ4: byte levels
+KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.fixture
@@ -296,7 +296,7 @@ def test_a_model_loaded_under_int8_keeps_one_form_of_its_weights():
 
 @pytest.mark.usefixtures("int8_activations")
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0->q4", "Q4_K", "Q5_K", "Q6_K",
-                                  "Q3_K"])  # fmt: skip
+                                  "Q3_K", "IQ4_NL"])  # fmt: skip
 def test_half_scales_give_the_products_of_fp32_scales_bit_for_bit(kind, monkeypatch):
     """Types whose scales are halves in the file (and the 4-bit draft copies) keep them as halves in the
     interleaved copy, the K-quants as their sub-scales (a byte per group times a half per 256 weights): fewer bytes

@@ -7,9 +7,10 @@ bit for bit what ``gguf.dequantize`` gives):
 
 * ``q4``: 4-bit codes, groups of 32, fp32 scale and minimum per group (Q4_0, Q4_1, Q4_K);
 * ``q8``: one byte per code, groups of 16 or 32, fp32 scale and optional minimum per
-  group (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K; 2- to 6-bit codes take a byte each).
+  group (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K; 2- to 6-bit codes take a byte each;
+  IQ4_NL and IQ4_XS as the byte levels their 4-bit indices pick).
 
-Other GGUF types (the IQ family, Q4_0_4_4, ...) have no repack yet: the loader
+Other GGUF types (the 1-3-bit IQ types, ...) have no repack yet: the loader
 dequantises those tensors with a warning naming the type.
 
 Products run in ``quant_kernels.c``, compiled once per machine with the system C
@@ -405,7 +406,7 @@ _COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
 
 
 # GGUF types whose scales (and minima) are IEEE halves in the file: their interleaved copies keep them so (exactly)
-HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 X16_SCALE16 = 0x100  # int8_kernels.c: a product's form = bits per code | this flag for half scales
 # The K-quants' scales are small integers times a half per 256 weights: their interleaved copies keep that form
 # (int8_kernels.c's X16_SUB8: a signed byte per group, a half per 256 weights; exact), 1.1-1.25 bytes a scale
@@ -970,7 +971,29 @@ def _repack_rows(kind: str, blocks: np.ndarray,
         return "q8", 16, q.astype(np.int8).reshape(nb, 256), d * sc, None
     if kind in ("Q2_K", "Q3_K"):
         return _repack_low_k(kind, blocks, sub)
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        return _repack_iq4(kind, blocks)
     raise KeyError(kind)
+
+
+# IQ4_NL / IQ4_XS: each 4-bit index picks one of these 16 non-uniform levels (llama.cpp's table), times a scale
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _repack_iq4(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.ndarray, None]:
+    """IQ4_NL (32 weights a block: d as a half, 16 bytes of indices, low nibbles first) and IQ4_XS (256 weights:
+    d, the high two bits of eight 6-bit scales as a little-endian u16, their low nibbles in 4 bytes, then 8 x 16
+    bytes of indices) as byte codes (the levels themselves) in groups of 32: weight = d * level (IQ4_NL),
+    d * (s - 32) * level (IQ4_XS), the same values; 8-9 bits a weight where the file holds 4.25-4.5."""
+    nb = blocks.shape[0]
+    if kind == "IQ4_NL":
+        return "q8", 32, IQ4_LEVELS[_low_high(blocks[:, 2:18])], _f16(blocks[:, :2]), None
+    d = _f16(blocks[:, :2])
+    high = (blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [nb, 8]
+    low = (blocks[:, 4:8].reshape(nb, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(nb, 8) & 15
+    s = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+    idx = _low_high(blocks[:, 8:].reshape(nb, 8, 16)).reshape(nb, 256)
+    return "q8", 32, IQ4_LEVELS[idx], d * s.astype(np.float32), None
 
 
 def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
@@ -1002,7 +1025,7 @@ def _repack_low_k(kind: str, blocks: np.ndarray, sub: tuple | None) -> tuple[str
     return "q8", 16, q.astype(np.int8), scale, None
 
 
-REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 
 
 CHUNK_BYTES = 8 << 20  # raw GGUF bytes repacked at a time (keeps the load's transient memory small)
