@@ -33,9 +33,30 @@ def test_a_synthetic_file_has_the_q4_k_m_recipe(tiny_file):
     assert "tokenizer.ggml.tokens" in reader.fields  # the donor's tokenizer (the built-in SmolLM2's)
 
 
+@pytest.mark.parametrize("mix, base, more, form", [("q3_k", "Q3_K", "Q4_K", "q6k/16"),
+                                                   ("iq4_xs", "IQ4_XS", "IQ4_XS", "q8/32")])  # fmt: skip
+def test_lower_bit_mixes_load_in_their_types_and_decode_losslessly(tmp_path, mix, base, more, form):
+    """Files of the types users run 7-8B models in on small machines (Q3_K_M-, IQ4_XS-like): every layer tensor
+    stays quantised (Q3_K in Q6_K's 6-bit form, IQ4_XS as byte levels) and drafts keep vanilla's tokens."""
+    from gguf import GGUFReader
+
+    path = write_synthetic(TINY, tmp_path / f"{mix}.gguf", seed=5, mix=mix)
+    kinds = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert kinds["blk.1.attn_q.weight"] == base and kinds["blk.2.ffn_down.weight"] == more
+    with activations("int8"):
+        model = selfspec.load(str(path))
+        assert model.hf.model.layers[1].self_attn.q_proj.qweight.form_label == form
+        plain = selfspec.generate(model, "Tell me about the sea.", "vanilla", max_new_tokens=16)
+        drafted = selfspec.generate(model, "Tell me about the sea.", "asd", max_new_tokens=16, preset="paper",
+                                    draft_length=3)  # fmt: skip
+    assert drafted.stats.drafted > 0 and drafted.token_ids == plain.token_ids
+
+
 def test_unknown_shapes_and_foreign_donors_are_refused(tmp_path, tiny_file):
     with pytest.raises(InvalidInputError, match="unknown shape"):
         write_synthetic("qwen9-1t", tmp_path / "x.gguf")
+    with pytest.raises(InvalidInputError, match="unknown mix"):
+        write_synthetic(TINY, tmp_path / "x.gguf", mix="q1")
     with pytest.raises(InvalidInputError, match="needs a qwen2 GGUF"):
         write_synthetic(SHAPES["qwen2.5-1.5b"], tmp_path / "x.gguf", like=tiny_file)
 

@@ -8,7 +8,10 @@ entry are copied from a GGUF file of the same family (``--like``: a qwen2 file f
 one such as the built-in SmolLM2's for the Llama shapes; the vocabulary is the donor's). Tensor types follow
 llama.cpp's Q4_K_M recipe (Q6_K for the tied embedding / head and for ``attn_v`` and ``ffn_down`` of the first
 and last eighth of the layers and every third in between, Q4_K elsewhere; where a row is not a multiple of 256
-weights, as Gemma 3's hidden sizes, llama.cpp's fallbacks: Q5_0 for Q4_K, Q8_0 for Q6_K).
+weights, as Gemma 3's hidden sizes, llama.cpp's fallbacks: Q5_0 for Q4_K, Q8_0 for Q6_K).  ``--mix q3_k`` and
+``--mix iq4_xs`` write files of the lower-bit types users run 7-8B models in: Q3_K (or IQ4_XS) where the Q4_K_M
+recipe has Q4_K, Q4_K (IQ4_XS) where it has Q6_K in the layers, the head in Q6_K (near llama.cpp's Q3_K_M and
+IQ4_XS recipes, not their exact per-layer choices).
 
 Run: ``python -m selfspec.bench.synthetic --shape qwen2.5-1.5b --out /tmp/qwen-1.5b.gguf`` (``--like`` defaults
 to the built-in model of the family: ``selfspec models install qwen2.5-coder-0.5b`` for the Qwen2.5 shapes)
@@ -80,9 +83,14 @@ SHAPES = {
 }
 DEFAULT_DONOR = {"qwen2": "qwen2.5-coder-0.5b", "llama": "smollm2-135m", "gemma3": "gemma3-270m"}  # built-ins
 
-_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22), "Q8_0": (32, 34)}  # (weights, bytes) a block
-_SCALE_AT = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,)}  # byte offsets of each block's fp16 scales
-_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama.cpp's types for rows that are not a multiple of 256 weights
+_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110),
+           "IQ4_XS": (256, 136), "IQ4_NL": (32, 18)}  # (weights, bytes) a block  # fmt: skip
+_SCALE_AT = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,), "Q3_K": (108,), "IQ4_XS": (0,),
+             "IQ4_NL": (0,)}  # byte offsets of each block's fp16 scales  # fmt: skip
+# llama.cpp's types for rows that are not a multiple of 256 weights
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0", "Q3_K": "Q5_0", "IQ4_XS": "IQ4_NL"}
+# the layers' types of each mix: (where Q4_K_M has Q4_K, where it has Q6_K)
+MIXES = {"q4_k_m": ("Q4_K", "Q6_K"), "q3_k": ("Q3_K", "Q4_K"), "iq4_xs": ("IQ4_XS", "IQ4_XS")}
 
 
 def _kind(kind: str, cols: int) -> str:
@@ -107,20 +115,21 @@ def _random_blocks(rng: np.random.Generator, kind: str, rows: int, cols: int, sc
     return data.reshape(rows, per_row)
 
 
-def _tensors(shape: Shape, vocab: int, rng: np.random.Generator):
+def _tensors(shape: Shape, vocab: int, rng: np.random.Generator, mix: str = "q4_k_m"):
     """(name, array, raw ggml type name or None for f32) of every tensor, in llama.cpp's order."""
     h, q, kv = shape.hidden, shape.dim * shape.heads, shape.dim * shape.kv_heads
-    embed = _kind("Q6_K" if shape.tied else "Q4_K", h)
+    base, more = MIXES[mix]
+    embed = _kind("Q6_K" if shape.tied else base, h)
     if shape.llama3_rope:
         yield "rope_freqs.weight", llama3_rope_factors(LLAMA3_THETA, shape.dim, **LLAMA3_ROPE), None
     yield "token_embd.weight", _random_blocks(rng, embed, vocab, h, 2e-5), embed
     gemma = shape.arch == "gemma3"
     for i in range(shape.layers):
-        big = "Q6_K" if _more_bits(i, shape.layers) else "Q4_K"
+        big = more if _more_bits(i, shape.layers) else base
         yield f"blk.{i}.attn_norm.weight", np.ones(h, np.float32), None
-        for name, rows, cols, kind in (("attn_q", q, h, "Q4_K"), ("attn_k", kv, h, "Q4_K"), ("attn_v", kv, h, big),
-                                       ("attn_output", h, q, "Q4_K"), ("ffn_gate", shape.ffn, h, "Q4_K"),
-                                       ("ffn_up", shape.ffn, h, "Q4_K"), ("ffn_down", h, shape.ffn, big)):  # fmt: skip
+        for name, rows, cols, kind in (("attn_q", q, h, base), ("attn_k", kv, h, base), ("attn_v", kv, h, big),
+                                       ("attn_output", h, q, base), ("ffn_gate", shape.ffn, h, base),
+                                       ("ffn_up", shape.ffn, h, base), ("ffn_down", h, shape.ffn, big)):  # fmt: skip
             kind = _kind(kind, cols)
             yield f"blk.{i}.{name}.weight", _random_blocks(rng, kind, rows, cols, 1e-4), kind
             if shape.arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
@@ -135,7 +144,10 @@ def _tensors(shape: Shape, vocab: int, rng: np.random.Generator):
         yield "output.weight", _random_blocks(rng, _kind("Q6_K", h), vocab, h, 2e-5), _kind("Q6_K", h)
 
 
-def _copy_metadata(writer, reader, shape: Shape, name: str) -> None:
+FILE_TYPES = {"q4_k_m": 15, "q3_k": 12, "iq4_xs": 30}  # general.file_type: llama.cpp's MOSTLY_Q4_K_M, _Q3_K_M, _IQ4_XS
+
+
+def _copy_metadata(writer, reader, shape: Shape, name: str, mix: str = "q4_k_m") -> None:
     """Every key/value of the donor file (a ``GGUFReader``) but its dimensions (the tokenizer and chat template
     carry over)."""
     arch = shape.arch
@@ -147,7 +159,7 @@ def _copy_metadata(writer, reader, shape: Shape, name: str) -> None:
     if shape.llama3_rope:
         dims[f"{arch}.rope.freq_base"] = LLAMA3_THETA
     _copy_fields(writer, reader, {**dims, "general.name": f"synthetic {name} (random weights)",
-                                  "general.file_type": 15})  # MOSTLY_Q4_K_M  # fmt: skip
+                                  "general.file_type": FILE_TYPES[mix]})  # fmt: skip
 
 
 def _copy_fields(writer, reader, replaced: dict) -> None:
@@ -203,11 +215,15 @@ def rewrite_gguf(src: Path, out: Path, *, fields: dict | None = None, tensors: d
     return out
 
 
-def write_synthetic(shape: str | Shape, out: Path, like: Path | None = None, seed: int = 0) -> Path:
+def write_synthetic(shape: str | Shape, out: Path, like: Path | None = None, seed: int = 0,
+                    mix: str = "q4_k_m") -> Path:  # fmt: skip
     """Write the synthetic GGUF of ``shape`` (a key of :data:`SHAPES`, or a :class:`Shape`) to ``out``, its
-    tokenizer from ``like`` (default: the built-in model of its family); returns ``out``."""
+    tokenizer from ``like`` (default: the built-in model of its family), its tensor types by ``mix`` (a key of
+    :data:`MIXES`); returns ``out``."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
+    if mix not in MIXES:
+        raise InvalidInputError(f"unknown mix {mix!r}; known: {', '.join(MIXES)}")
     if isinstance(shape, str):
         if shape not in SHAPES:
             raise InvalidInputError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
@@ -221,9 +237,9 @@ def write_synthetic(shape: str | Shape, out: Path, like: Path | None = None, see
                                 f"{like} holds {donor_arch}")  # fmt: skip
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     writer = GGUFWriter(str(out), shape.arch)
-    _copy_metadata(writer, reader, shape, name)
+    _copy_metadata(writer, reader, shape, name, mix)
     rng = np.random.default_rng(seed)
-    for name, array, kind in _tensors(shape, vocab, rng):
+    for name, array, kind in _tensors(shape, vocab, rng, mix):
         if kind is None:
             writer.add_tensor(name, array)
         else:
@@ -253,8 +269,10 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: the built-in model of that family)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mix", default="q4_k_m", choices=list(MIXES),
+                        help="tensor types: llama.cpp's Q4_K_M recipe (default), or Q3_K / IQ4_XS in its place")
     args = parser.parse_args(argv)
-    print(write_synthetic(args.shape, args.out, args.like, args.seed))
+    print(write_synthetic(args.shape, args.out, args.like, args.seed, args.mix))
 
 
 if __name__ == "__main__":
