@@ -119,6 +119,13 @@ def test_a_prompt_prefilled_in_batch_chunks_is_a_whole_prefill(name, request):
         assert batcher.stats.rows < n, "a prefill whose rows differ from one-token rows runs alone"
 
 
+def _alone(model, jobs) -> dict[int, tuple[int, ...]]:
+    """Each job's tokens when it runs alone (the jobs that run to their end), for :func:`_run_together`'s."""
+    return {i: Session(model, m, prefix_cache=0).generate(
+                p, max_new_tokens=n, temperature=s.temperature, top_p=s.top_p, seed=s.seed).token_ids
+            for i, (m, p, n, s, stop) in enumerate(jobs) if stop is None}  # fmt: skip
+
+
 def _run_together(model, jobs, batcher):
     """Each job (method, prompt, max_new_tokens, sampling, stop_after) in its own thread, sessions sharing the
     batcher; stop_after: close the stream after that many pieces (a client leaving), None: run to the end."""
@@ -152,9 +159,7 @@ def test_concurrent_decodings_give_each_request_its_tokens_alone(smollm2):
             ("asd", PROMPTS[2], 32, SamplingParams(), None), ("auto", PROMPTS[3], 16, seeded, None),
             ("swift", PROMPTS[1], 20, SamplingParams(), None), ("vanilla", PROMPTS[2], 48, SamplingParams(), 3),
             ("pld", PROMPTS[0], 48, seeded, None), ("vanilla", LONG, 16, SamplingParams(), None)]  # fmt: skip
-    alone = {i: Session(smollm2, m, prefix_cache=0).generate(
-                 p, max_new_tokens=n, temperature=s.temperature, top_p=s.top_p, seed=s.seed).token_ids
-             for i, (m, p, n, s, stop) in enumerate(jobs) if stop is None}  # fmt: skip
+    alone = _alone(smollm2, jobs)
     batcher = StepBatcher(smollm2.engine)
     together = _run_together(smollm2, jobs, batcher)
     assert together.pop(5) == "left"
@@ -171,9 +176,7 @@ def test_low_bit_drafts_in_a_batch_keep_each_requests_tokens(gemma3):
     seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=5)
     jobs = [("lowbit", PROMPTS[0], 32, SamplingParams(), None), ("vanilla", PROMPTS[1], 24, SamplingParams(), None),
             ("lowbit", PROMPTS[2], 24, seeded, None), ("asd", PROMPTS[3], 24, SamplingParams(), None)]  # fmt: skip
-    alone = {i: Session(gemma3, m, prefix_cache=0).generate(
-                 p, max_new_tokens=n, temperature=s.temperature, top_p=s.top_p, seed=s.seed).token_ids
-             for i, (m, p, n, s, _) in enumerate(jobs)}  # fmt: skip
+    alone = _alone(gemma3, jobs)
     batcher = StepBatcher(gemma3.engine)
     assert _run_together(gemma3, jobs, batcher) == alone
     assert batcher.stats.sequences > batcher.stats.passes

@@ -69,7 +69,7 @@ def test_concurrent_requests_on_cuda_get_their_tokens_alone():
     """The server's slots on a GPU: each request decodes in its own thread through one batcher (passes run the
     items in turn off the fused stack), a client leaves mid-stream, and every other request gets its tokens
     alone."""
-    from test_batch import _run_together
+    from test_batch import _alone, _run_together
 
     model = _cuda_model("llama", torch.float32)
     seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
@@ -78,9 +78,7 @@ def test_concurrent_requests_on_cuda_get_their_tokens_alone():
             ("asd", "Once upon a time", 24, SamplingParams(), None),
             ("auto", "List three colours: red,", 16, seeded, None),
             ("vanilla", "Hello there", 40, SamplingParams(), 3)]  # fmt: skip
-    alone = {i: Session(model, m, prefix_cache=0).generate(
-                 p, max_new_tokens=n, temperature=s.temperature, top_p=s.top_p, seed=s.seed).token_ids
-             for i, (m, p, n, s, stop) in enumerate(jobs) if stop is None}  # fmt: skip
+    alone = _alone(model, jobs)
     batcher = StepBatcher(model.engine)
     together = _run_together(model, jobs, batcher)
     assert together.pop(4) == "left"
