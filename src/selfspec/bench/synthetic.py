@@ -88,7 +88,7 @@ _BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22), "Q8_0": (32
 _SCALE_AT = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,), "Q3_K": (108,), "IQ4_XS": (0,),
              "IQ4_NL": (0,)}  # byte offsets of each block's fp16 scales  # fmt: skip
 # llama.cpp's types for rows that are not a multiple of 256 weights
-_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0", "Q3_K": "Q5_0", "IQ4_XS": "IQ4_NL"}
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0", "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL"}
 # the layers' types of each mix: (where Q4_K_M has Q4_K, where it has Q6_K)
 MIXES = {"q4_k_m": ("Q4_K", "Q6_K"), "q3_k": ("Q3_K", "Q4_K"), "iq4_xs": ("IQ4_XS", "IQ4_XS")}
 
