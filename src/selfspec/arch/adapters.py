@@ -36,6 +36,11 @@ from ..core.quant import QuantLinear
 from ..errors import UnsupportedModelError
 
 RotaryTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [1, T, head_dim]
+# Rotary kinds whose angles depend on the position alone (not on the longest position of the call, as "dynamic" and
+# "longrope" do): their cos/sin rows are computed once per position and looked up (see LlamaAdapter.rotary).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+ROTARY_ROWS = 1024  # the looked-up tables grow by this many positions at a time
+ROTARY_MAX_ROWS = 16384  # ... up to this many (Gemma 3: 32 MB); later positions run the module per call
 
 
 class LlamaAdapter:
@@ -196,6 +201,32 @@ class LlamaAdapter:
         return self.backbone.embed_tokens(input_ids)  # [1, T, H]
 
     def rotary(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, RotaryTable]:
+        """cos and sin of each rotary kind at ``positions`` [1, T] (``h``: their dtype and device).  For static
+        kinds the rows are looked up in tables the model's own rotary module made over positions 0..N once: its
+        angles are element-wise (a position's products and cos / sin do not depend on the other positions of the
+        call, checked in tests/test_adapters.py), so a row is the one a call for its position alone gives, and a
+        decoding step skips the module's dozen tensor operations (about 30-60 us of a 2-5 ms step)."""
+        module = self.backbone.rotary_emb
+        rope = getattr(module, "rope_type", None)
+        kinds = rope.values() if isinstance(rope, dict) else [rope]
+        n = int(positions.max()) + 1
+        if n > ROTARY_MAX_ROWS or not all(k in STATIC_ROPE for k in kinds):
+            return self._rotary_rows(h, positions)
+        # the tables hold for these frequencies: a buffer replaced or changed in place (its version) remakes them
+        key = (h.dtype, h.device, *((id(b), b._version) for b in module._buffers.values() if b is not None))
+        cached = self.__dict__.get("_rotary_cache")
+        if cached is None or cached[0] != key or cached[1] < n:
+            size = -(-n // ROTARY_ROWS) * ROTARY_ROWS
+            rows = torch.arange(size, device=h.device).view(1, -1)
+            cached = self.__dict__["_rotary_cache"] = (key, size, self._rotary_rows(h[:, :1], rows))
+        if positions.numel() == 1:  # a decoding step: views of one row
+            p = int(positions)
+            return {k: (c[:, p : p + 1], s[:, p : p + 1]) for k, (c, s) in cached[2].items()}
+        at = positions.reshape(-1)
+        return {k: (c[:, at], s[:, at]) for k, (c, s) in cached[2].items()}
+
+    def _rotary_rows(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, RotaryTable]:
+        """The model's rotary module at ``positions`` (each kind of layer its own: Gemma 3's local and global)."""
         return {"default": self.backbone.rotary_emb(h, positions)}
 
     def attention(self, i: int, h: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
@@ -255,7 +286,7 @@ class Gemma3Adapter(LlamaAdapter):
             if not hasattr(layer, name):
                 raise UnsupportedModelError(f"gemma3: decoder layer has no '{name}'")
 
-    def rotary(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, RotaryTable]:
+    def _rotary_rows(self, h: torch.Tensor, positions: torch.Tensor) -> dict[str, RotaryTable]:
         return {t: self.backbone.rotary_emb(h, positions, t) for t in set(self.layer_types)}
 
     def attention(self, i: int, h: torch.Tensor, rope: RotaryTable, mask, kv) -> torch.Tensor:
