@@ -55,3 +55,17 @@ def test_new_or_changed_frequencies_remake_the_tables():
     module.inv_freq.mul_(0.5)  # changed in place
     quartered = adapter.rotary(h, at)["default"][0]
     assert not torch.equal(quartered, halved) and torch.equal(quartered, adapter._rotary_rows(h, at)["default"][0])
+
+
+def test_tables_made_while_decoding_serve_a_training_pass():
+    """S3D trains after the model has decoded: the tables made in a decoding's inference mode must be ordinary
+    tensors, which autograd may save for the backward pass."""
+    adapter = tiny_model("llama").adapter
+    with torch.inference_mode():
+        adapter.rotary(torch.zeros(1, 1, 8), torch.tensor([[3]]))
+    for at in (torch.tensor([[3]]), torch.tensor([[1, 2, 3]])):
+        cos, _ = adapter.rotary(torch.zeros(1, 1, 8), at)["default"]
+        assert not cos.is_inference()
+        q = torch.randn(cos.shape, requires_grad=True)
+        (q * cos).sum().backward()
+        assert torch.equal(q.grad, cos)

@@ -217,8 +217,12 @@ class LlamaAdapter:
         cached = self.__dict__.get("_rotary_cache")
         if cached is None or cached[0] != key or cached[1] < n:
             size = -(-n // ROTARY_ROWS) * ROTARY_ROWS
-            rows = torch.arange(size, device=h.device).view(1, -1)
-            cached = self.__dict__["_rotary_cache"] = (key, size, self._rotary_rows(h[:, :1], rows))
+            # ordinary constant tensors even inside a decoding's inference mode: S3D's training takes them in passes
+            # that autograd records, which refuses tensors made in inference mode
+            with torch.inference_mode(False), torch.no_grad():
+                rows = torch.arange(size, device=h.device).view(1, -1)
+                like = torch.zeros(1, 1, 1, dtype=h.dtype, device=h.device)
+                cached = self.__dict__["_rotary_cache"] = (key, size, self._rotary_rows(like, rows))
         if positions.numel() == 1:  # a decoding step: views of one row
             p = int(positions)
             return {k: (c[:, p : p + 1], s[:, p : p + 1]) for k, (c, s) in cached[2].items()}
