@@ -204,7 +204,7 @@ class LlamaAdapter:
         """cos and sin of each rotary kind at ``positions`` [1, T] (``h``: their dtype and device).  For static
         kinds the rows are looked up in tables the model's own rotary module made over positions 0..N once: its
         angles are element-wise (a position's products and cos / sin do not depend on the other positions of the
-        call, checked in tests/test_adapters.py), so a row is the one a call for its position alone gives, and a
+        call, checked in tests/test_rotary_rows.py), so a row is the one a call for its position alone gives, and a
         decoding step skips the module's dozen tensor operations (about 30-60 us of a 2-5 ms step)."""
         module = self.backbone.rotary_emb
         rope = getattr(module, "rope_type", None)
