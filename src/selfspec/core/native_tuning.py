@@ -116,7 +116,7 @@ def tune_model(model, *, force: bool = False) -> list[TuneResult]:
     key = f"{quant.library_path().stem}-w{size_class}"
     timer = _one_token_pass(model)
     results = []
-    if quant.int8_kernels_available():  # the x86 vector products prefetch; ARM's and the portable loops do not
+    if quant.int8_kernels_prefetch():  # the x86 vector products prefetch; ARM's and the portable loops do not
         results.append(tune("int8_prefetch", PREFETCH_CANDIDATES, PREFETCH_DEFAULT, lib.selfspec_set_int8_prefetch,
                             timer, key=key, force=force))  # fmt: skip
     threads = native_thread.threads()  # the user's --threads / OMP_NUM_THREADS: the most a pass may use

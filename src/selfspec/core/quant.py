@@ -187,6 +187,12 @@ def int8_kernels_available() -> bool:
     return _int8_kind() > 0
 
 
+def int8_kernels_prefetch() -> bool:
+    """Whether the int8 products prefetch their weights in software (``selfspec_set_int8_prefetch`` has an effect):
+    the x86 vector builds (AVX512-VNNI, AVX2, AVX-VNNI); ARM's sdot and the portable loops leave it to the CPU."""
+    return _int8_kind() in (1, 2, 3)
+
+
 def int8_kernels_name() -> str:
     """Which instructions compute the int8-activation products: "AVX512-VNNI", "AVX-VNNI", "AVX2", "ARM sdot" or
     "portable C"."""
