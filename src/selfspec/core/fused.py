@@ -156,9 +156,13 @@ class FusedStack:
 
     def _low_bit_linears(self) -> list[tuple[QuantLinear, ...]]:
         """Each layer's products for low-bit drafts: 8-bit weights requantised to 4 bits (made once, a second or
-        two for a 0.5B model; under int8 activations only their interleaved copy is kept), 4-bit ones shared."""
+        two for a 0.5B model; under int8 activations only their interleaved copy is kept), 4-bit ones shared (under
+        int8 activations also Q3_K's and IQ4's, whose copies hold 4 bits a code)."""
         if self._low_linears is None:
-            self._low_linears = [tuple(m if m.qweight.fmt == "q4" else self._low_bit(m) for m in layer.linears)
+            def shared(m: QuantLinear) -> bool:
+                return m.qweight.fmt == "q4" or (self.int8 and m.qweight.x16_code_bits <= 4)
+
+            self._low_linears = [tuple(m if shared(m) else self._low_bit(m) for m in layer.linears)
                                  for layer in self.layers]  # fmt: skip
         return self._low_linears
 

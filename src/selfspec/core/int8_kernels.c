@@ -24,6 +24,12 @@
  * 2j, 2j + 1 (BITS 6).  A group of 16 rows then takes 320 bytes for 32 codes (q8: 512) or 192 for 16 (q8: 256),
  * and m = -16 d or -32 d for the symmetric types (stored minima are the row form's own, exact).
  *
+ * Two more forms keep 4 bits a code in q4's nibble layout.  BITS 3, G 16 (Q3_K's codes -4..3 as u = code + 4, 0..7;
+ * k = 4j + i low and k = 8 + 4j + i high in two 64-byte groups, 128 bytes for 16 codes of 16 rows), symmetric:
+ * m = -4 d.  LUT4, G 32 (IQ4_NL / IQ4_XS): the nibbles are indices into IQ4's 16 non-uniform levels, which a
+ * byte shuffle (vpshufb, tbl) turns into the level + 128, then taken as a q8 code (m = -128 d): the weights read
+ * at the file's 4 bits where a byte a code was read.
+ *
  * Scales (and minima) are fp32, or IEEE halves where every one of them is a half exactly (the GGUF types that store
  * fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the 4-bit draft copies, whose scales are rounded to halves): a
  * product's `form` argument is BITS | X16_SCALE16.  Widening a half is exact, so the products are bit for bit those
@@ -179,8 +185,14 @@ void selfspec_set_pass_threads(int n) { pass_threads = n < 0 ? 0 : n; }
 int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_get_max_threads(); }
 
 /* Bytes of one group of G codes for 16 output rows in each form, and a symmetric form's minimum in units of d */
-#define GROUP_BYTES(BITS, G) ((BITS) == 4 ? 256 : (BITS) == 5 ? 320 : (BITS) == 6 ? 192 : (G) * 16)
-#define SYM_MIN(BITS) ((BITS) == 4 ? -8.0f : (BITS) == 5 ? -16.0f : (BITS) == 6 ? -32.0f : -128.0f)
+#define LUT4 12 /* a form's BITS for IQ4's indices (see the header) */
+#define NIBBLES(BITS) ((BITS) == 3 || (BITS) == 4 || (BITS) == LUT4) /* the forms of 4-bit codes alone */
+#define GROUP_BYTES(BITS, G)                                                                                          \
+    ((BITS) == 4 || (BITS) == LUT4 ? 256 : (BITS) == 3 ? 128 : (BITS) == 5 ? 320 : (BITS) == 6 ? 192 : (G) * 16)
+#define SYM_MIN(BITS) \
+    ((BITS) == 3 ? -4.0f : (BITS) == 4 ? -8.0f : (BITS) == 5 ? -16.0f : (BITS) == 6 ? -32.0f : -128.0f)
+/* IQ4's levels (llama.cpp's kvalues_iq4nl: -127, -104, ..., 113) + 128, the unsigned codes a LUT4 index picks */
+static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 #define X16_SCALE16 0x100 /* in a product's form: scales and minima are IEEE halves */
 #define X16_SUB8 0x200    /* ... or K-quant sub-scales: a signed byte per group times a half per 256 weights */
 /* A form's scale kind SK: 0 fp32, 1 halves, 2 sub-scales; bytes of one block's table of scales (or minima) */
@@ -253,6 +265,22 @@ static inline __attribute__((always_inline)) void decode_compact512(const int BI
     }
 }
 
+/* A nibble group's codes (c: its first byte; BITS 3, 4 or LUT4) as the words w[j] (k = 4j + i): the low nibbles of
+ * each 64-byte group, then the high ones; LUT4's indices looked up (vpshufb within each 16-byte lane) */
+static inline __attribute__((always_inline)) void decode_nibbles512(const int BITS, const uint8_t *c, __m512i w[8]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const int J = BITS == 3 ? 2 : 4;
+    for (int j = 0; j < J; j++) {
+        const __m512i v = _mm512_loadu_si512(c + 64 * j);
+        w[j] = _mm512_and_si512(v, low);
+        w[j + J] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    if (BITS == LUT4) {
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
+        for (int j = 0; j < 8; j++) w[j] = _mm512_shuffle_epi8(table, w[j]);
+    }
+}
+
 /* NB (1..8) rows of x against one block of 16 output rows; y [t * ldy + r] for r < 16.  BITS and G are
  * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: the rows' codes [t * K] and block scales
  * [t * K/32]; ds: dx * code sums per weight group [t * K/G]. */
@@ -267,7 +295,6 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
     const long groups = K / G;
     __m512 acc[8];
     for (int t = 0; t < NB; t++) acc[t] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(15);
     const long group_bytes = GROUP_BYTES(BITS, G), ahead = prefetch_bytes / group_bytes;
     for (long g = 0; g < groups; g++) {
         /* the weights prefetch_bytes ahead in this thread's stream (its blocks are consecutive): a share of a
@@ -278,13 +305,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
             if (!SYM) __builtin_prefetch((const char *)minv + (g + ahead) * 16 * SCALE_BYTES(SK), 0, 0);
         }
         __m512i w[8];
-        if (BITS == 4) {
-            const uint8_t *c = codes + g * 256;
-            for (int j = 0; j < 4; j++) {
-                const __m512i v = _mm512_loadu_si512(c + 64 * j);
-                w[j] = _mm512_and_si512(v, low);
-                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
+        if (NIBBLES(BITS)) {
+            decode_nibbles512(BITS, codes + g * GROUP_BYTES(BITS, G), w);
         } else if (BITS == 5 || BITS == 6) {
             decode_compact512(BITS, codes + g * GROUP_BYTES(BITS, G), w);
         } else {
@@ -341,24 +363,30 @@ static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8],
 #endif
 }
 
-static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg,
-                                                              int32_t xsum) {
+/* q8 codes (code + 128) in NW words w[NW] (xsum: the group's sum of xq) */
+static inline __attribute__((always_inline)) __m256i sums_bytes(const int NW, const __m256i *w, const int32_t *xg,
+                                                                 int32_t xsum) {
 #ifdef SELFSPEC_AVXVNNI
     (void)xsum; /* vpdpbusd takes the codes + 128 as they are */
-    __m256i w[8];
-    for (int j = 0; j < G / 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
-    return dots_vnni256(G / 4, w, xg);
+    return dots_vnni256(NW, w, xg);
 #else
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
-    for (int j = 0; j < G / 4; j++) {
-        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 64 * j)), flip);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w),
-                                                                       _mm256_sign_epi8(_mm256_set1_epi32(xg[j]), w)),
+    for (int j = 0; j < NW; j++) {
+        const __m256i v = _mm256_xor_si256(w[j], flip);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v),
+                                                                       _mm256_sign_epi8(_mm256_set1_epi32(xg[j]), v)),
                                                   ones16));
     }
     return _mm256_add_epi32(s, _mm256_set1_epi32(128 * xsum)); /* back to the codes + 128 */
 #endif
+}
+
+static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg,
+                                                              int32_t xsum) {
+    __m256i w[8];
+    for (int j = 0; j < G / 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
+    return sums_bytes(G / 4, w, xg, xsum);
 }
 
 /* The 8 scales or minima of rows 8h..8h+7 of group g, as scales16 (halves widened by F16C's vcvtph2ps) */
@@ -429,6 +457,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                                                              long ldy) {
     const long groups = K / G;
     const __m256i low = _mm256_set1_epi8(15);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODES));
     const long group_bytes = GROUP_BYTES(BITS, G), ahead = prefetch_bytes / group_bytes; /* as block_vnni's */
     for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
         __m256 acc[8];             /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
@@ -442,20 +471,25 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
             const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(SYM_MIN(BITS)))
                                   : scales8(minv, g, h, SK, groups, G);
             __m256i w[8];
-            if (BITS == 4)
-                for (int j = 0; j < 4; j++) {
+            if (NIBBLES(BITS)) {
+                const int J = BITS == 3 ? 2 : 4; /* as decode_nibbles512 */
+                for (int j = 0; j < J; j++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
                     w[j] = _mm256_and_si256(v, low);
-                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    w[j + J] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
-            else if (BITS == 5 || BITS == 6)
+                if (BITS == LUT4)
+                    for (int j = 0; j < 8; j++) w[j] = _mm256_shuffle_epi8(table, w[j]);
+            } else if (BITS == 5 || BITS == 6)
                 decode_compact(BITS, c, w);
             for (int t = 0; t < NB; t++) {
                 const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
                 const int32_t *xst = xs + t * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
-                const __m256i s = BITS == 4                 ? sums_q4(w, xg)
-                                  : BITS == 5 || BITS == 6 ? sums_small(G / 4, w, xg)
-                                                           : sums_q8(G, c, xg, G == 32 ? xst[0] + xst[1] : xst[0]);
+                const int32_t xsum = G == 32 ? xst[0] + xst[1] : xst[0];
+                const __m256i s = BITS == 4                               ? sums_q4(w, xg)
+                                  : BITS == 3 || BITS == 5 || BITS == 6 ? sums_small(G / 4, w, xg)
+                                  : BITS == LUT4                          ? sums_bytes(8, w, xg, xsum)
+                                                                          : sums_q8(G, c, xg, xsum);
                 const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t]);
                 acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t]);
@@ -519,10 +553,13 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
 #define PORTABLE_ROWS 8
 
 static inline void decode_group_portable(int bits, long G, const uint8_t *codes, long g, uint8_t *w) {
-    if (bits == 4) {
-        const uint8_t *c = codes + g * 256;
-        for (int l = 0; l < 256; l++) w[l] = c[l] & 15;
-        for (int l = 0; l < 256; l++) w[256 + l] = c[l] >> 4;
+    if (NIBBLES(bits)) {
+        const long half = bits == 3 ? 128 : 256; /* bytes of the group: the low nibbles' words, then the high */
+        const uint8_t *c = codes + g * half;
+        for (int l = 0; l < half; l++) w[l] = c[l] & 15;
+        for (int l = 0; l < half; l++) w[half + l] = c[l] >> 4;
+        if (bits == LUT4)
+            for (int l = 0; l < 512; l++) w[l] = IQ4_CODES[w[l]];
     } else if (bits == 5) {
         const uint8_t *c = codes + g * 320;
         for (int j = 0; j < 8; j++)
@@ -550,7 +587,8 @@ static inline void group_sums_portable(int bits, long G, const uint8_t *w, const
      * register of 4 words), as vpdpbusd does; sdot multiplies signed bytes, so q8 codes (code + 128) are taken as
      * the signed codes (flip the top bit) and 128 * sum(x) is added back: the same exact integers */
     int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
-    const uint8x16_t flip = vdupq_n_u8(bits == 8 ? 0x80 : 0);
+    const int q8 = bits == 8 || bits == LUT4; /* codes + 128 */
+    const uint8x16_t flip = vdupq_n_u8(q8 ? 0x80 : 0);
     for (long j4 = 0; j4 < G / 4; j4 += 4) {
         const int8x16_t x = vld1q_s8(xg + 4 * j4);
 #define SELFSPEC_DOT_WORD(LANE)                                                                      \
@@ -563,7 +601,7 @@ static inline void group_sums_portable(int bits, long G, const uint8_t *w, const
         SELFSPEC_DOT_WORD(3);
 #undef SELFSPEC_DOT_WORD
     }
-    const int32x4_t back = vdupq_n_s32(bits == 8 ? 128 * xsum : 0);
+    const int32x4_t back = vdupq_n_s32(q8 ? 128 * xsum : 0);
     for (int q = 0; q < 4; q++) vst1q_s32(s + 4 * q, vaddq_s32(a[q], back));
 #else
     (void)xsum;
@@ -627,7 +665,15 @@ static void linear_x16_ws(int form, long T, long N, long K, long G, const qrows 
         const float *bb = bias ? bias + nb * 16 : NULL;
 #if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
         float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
-        if (sk == 2 && bits == 4)
+        if (bits == 3 && sk == 2)
+            BLOCK_ROWS(3, 16, 1, 2); /* Q3_K's codes as nibbles, its sub-scales */
+        else if (bits == 3)
+            BLOCK_ROWS(3, 16, 1, 0);
+        else if (bits == LUT4 && sk == 2)
+            BLOCK_ROWS(LUT4, 32, 1, 2); /* IQ4_XS */
+        else if (bits == LUT4)
+            BLOCK_ROWS_S16(LUT4, 32, 1); /* IQ4_NL */
+        else if (sk == 2 && bits == 4)
             BLOCK_ROWS(4, 32, 0, 2); /* sub-scales: the K-quants' forms (Q4_K, Q5_K with minima; Q6_K without) */
         else if (sk == 2 && bits == 5)
             BLOCK_ROWS(5, 32, 0, 2);

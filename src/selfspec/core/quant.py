@@ -10,6 +10,10 @@ bit for bit what ``gguf.dequantize`` gives):
   group (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K; 2- to 6-bit codes take a byte each;
   IQ4_NL and IQ4_XS as the byte levels their 4-bit indices pick).
 
+Under int8 activations products read an interleaved copy (:func:`pack_x16`, ``int8_kernels.c``) whose codes take
+their own width where a form exists (5 and 6 bits; Q3_K's and IQ4's 4, IQ4's levels looked up in the kernels);
+only Q2_K's copy still holds a byte a code.
+
 Other GGUF types (the 1-3-bit IQ types, ...) have no repack yet: the loader
 dequantises those tensors with a warning naming the type.
 
@@ -403,10 +407,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 # GGUF types whose codes the interleaved copy holds at their own width (int8_kernels.c's compact forms): type ->
-# (bits, group, whether a minimum is stored).  The row form keeps them as a byte per code.
-# (Q3_K's codes, -4..3, take Q6_K's 6-bit form: the same kernel, a third the bytes of a byte per code.)
+# (bits, group, whether a minimum is stored).  The row form keeps them as a byte per code.  Q3_K's codes (-4..3)
+# take a nibble each (form 3); IQ4's indices stay 4-bit, looked up in the kernels (LUT4: the levels as q8 codes).
+LUT4 = 12  # int8_kernels.c's form of IQ4's 4-bit indices
 COMPACT_TYPES = {"Q5_0": (5, 32, False), "Q5_1": (5, 32, True), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False),
-                 "Q3_K": (6, 16, False)}  # fmt: skip
+                 "Q3_K": (3, 16, False), "IQ4_NL": (LUT4, 32, False), "IQ4_XS": (LUT4, 32, False)}  # fmt: skip
+COMPACT_BYTES = {3: 128, 5: 320, 6: 192, LUT4: 256}  # bytes of one group of 16 rows' codes in each compact form
+CODE_BITS = {3: 4, LUT4: 4}  # bits a code takes where the form's number is not that
 COMPACT_ENV = "SELFSPEC_COMPACT_CODES"  # 0: 5- and 6-bit codes take a byte each in the interleaved copy too (A/B)
 _COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
 
@@ -416,7 +423,7 @@ HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 X16_SCALE16 = 0x100  # int8_kernels.c: a product's form = bits per code | this flag for half scales
 # The K-quants' scales are small integers times a half per 256 weights: their interleaved copies keep that form
 # (int8_kernels.c's X16_SUB8: a signed byte per group, a half per 256 weights; exact), 1.1-1.25 bytes a scale
-SUB_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K")
+SUB_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS")
 X16_SUB8 = 0x200
 SUB_SCALES_ENV = "SELFSPEC_SUB_SCALES"  # 0: the K-quants' copies hold fp32 scales (A/B)
 _SUB_SCALES = os.environ.get(SUB_SCALES_ENV, "1").strip() != "0"
@@ -433,8 +440,8 @@ def sub_scales() -> bool:
 
 
 def x16_bits(fmt: str, source: str, group: int, minima: bool) -> int:
-    """Bits per code in the interleaved copy of a weight of this form: 4 (q4), 5 or 6 (a q8 weight from a 5- or
-    6-bit GGUF type: ``COMPACT_TYPES``), else 8."""
+    """The interleaved copy's form of a weight of this form: 4 (q4), 3, 5, 6 or LUT4 (a q8 weight from a GGUF type
+    of ``COMPACT_TYPES``), else 8 (a byte per code)."""
     if fmt == "q4":
         return 4
     spec = COMPACT_TYPES.get(source) if _COMPACT else None
@@ -528,7 +535,7 @@ class QuantWeight:
         codes, scale, minv = self.__dict__["_x16"]
         n, k, g = self.out_features, self.in_features, self.group
         groups, j = k // g, (4 if self.fmt == "q4" else g // 4)
-        if self.x16_bits in (5, 6):
+        if self.x16_bits in COMPACT_BYTES:
             every = np.arange(n)
             self._codes = torch.from_numpy(_compact_rows(codes.numpy(), self.x16_bits, groups, every // 16,
                                                          every % 16, self.has_minima).reshape(n, k))  # fmt: skip
@@ -564,7 +571,7 @@ class QuantWeight:
             return sum(t.numel() * t.element_size() for t in packed if t is not None)
         groups = self.out_features * (self.in_features // self.group)
         bits = self.x16_bits if int8_activations() and self.out_features % 16 == 0 else (4 if self.fmt == "q4" else 8)
-        codes = self.out_features * self.in_features * bits // 8
+        codes = self.out_features * self.in_features * CODE_BITS.get(bits, bits) // 8
         half = int8_activations() and _half_scales(self, bits, not self.has_minima)  # (as pack_x16 will hold it)
         per = 2 if half else 4
         if int8_activations() and self.__dict__.get("_sub") is not None and _sub_scale_form(self, bits):
@@ -590,6 +597,11 @@ class QuantWeight:
         return bits
 
     @property
+    def x16_code_bits(self) -> int:
+        """Bits one code takes in the interleaved copy (Q3_K's and IQ4's forms: 4)."""
+        return CODE_BITS.get(self.x16_bits, self.x16_bits)
+
+    @property
     def x16_form(self) -> int:
         """The interleaved copy's form for the kernels: bits per code, | X16_SCALE16 where its scales are halves,
         | X16_SUB8 where they are a K-quant's sub-scales."""
@@ -605,7 +617,7 @@ class QuantWeight:
             return f"{self.fmt}/{self.group}"
         form = self.x16_form
         kind = "h" if form & X16_SCALE16 else "k" if form & X16_SUB8 else ""
-        return f"q{self.x16_bits}{kind}/{self.group}"
+        return f"{'iq4' if self.x16_bits == LUT4 else f'q{self.x16_bits}'}{kind}/{self.group}"
 
     def x16(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The interleaved copy ``int8_kernels.c`` multiplies (codes, scale, minimum), made on first use; None
@@ -700,7 +712,7 @@ class QuantWeight:
         groups, n = self.in_features // self.group, idx.numpy()
         j = 4 if self.fmt == "q4" else self.group // 4
         block, r = n // 16, n % 16
-        if self.x16_bits in (5, 6):
+        if self.x16_bits in COMPACT_BYTES:
             raw = _compact_rows(codes.numpy(), self.x16_bits, groups, block, r, minv is not None).reshape(len(n), -1)
         else:
             raw = codes.numpy().reshape(self.out_features // 16, groups, j, 16, 4)[block, :, :, r, :]
@@ -758,12 +770,13 @@ def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     j = 4 if w.fmt == "q4" else g // 4
     bits = w.x16_bits
     raw = w.codes.numpy().view(np.uint8).reshape(n // 16, 16, groups, j, 4)
-    codes = np.empty((n // 16, groups, 320 if bits == 5 else 192) if bits in (5, 6) else (n // 16, groups, j, 16, 4),
+    compact = bits in COMPACT_BYTES
+    codes = np.empty((n // 16, groups, COMPACT_BYTES[bits]) if compact else (n // 16, groups, j, 16, 4),
                      dtype=np.uint8)  # fmt: skip
     # a few MB of rows at a time: the copy of a 150k-row head (130 MB) never holds a whole temporary beside it
     step = max(1, (4 << 20) // max(1, 16 * groups * j * 4))
     for b in range(0, n // 16, step):
-        if bits in (5, 6):
+        if compact:
             codes[b : b + step] = _compact_blocks(raw[b : b + step].view(np.int8), bits, w.minv is not None)
             continue
         block = raw[b : b + step] if w.fmt == "q4" else raw[b : b + step] ^ np.uint8(0x80)
@@ -789,13 +802,13 @@ def _half_scales(w: QuantWeight, bits: int, sym: bool) -> bool:
     """Whether the interleaved copy of ``w`` may keep its scales as halves: a type that stores them so (or a 4-bit
     draft copy, whose scales are rounded to halves), in a form the kernels take them for."""
     kind = w.source in HALF_SCALE_TYPES or (w.fmt == "q4" and w.symmetric and w.source.endswith("->q4"))
-    return kind and bits in (4, 5, 8) and (sym or bits != 8)
+    return kind and bits in (4, 5, 8, LUT4) and (sym or bits != 8)
 
 
 def _sub_scale_form(w: QuantWeight, bits: int) -> bool:
     """Whether the interleaved copy of ``w`` may hold its scales as sub-scales (X16_SUB8): a K-quant whose copy's
     codes take 4-6 bits (not the byte form), rows of whole 256-weight blocks."""
-    return _SUB_SCALES and w.source in SUB_SCALE_TYPES and bits in (4, 5, 6) and w.in_features % 256 == 0
+    return _SUB_SCALES and w.source in SUB_SCALE_TYPES and bits in (3, 4, 5, 6, LUT4) and w.in_features % 256 == 0
 
 
 def _sub_table(small: np.ndarray, halves: np.ndarray, group: int) -> torch.Tensor:
@@ -841,15 +854,22 @@ def _halves_exact(t: np.ndarray) -> bool:
 
 
 def _compact_blocks(code: np.ndarray, bits: int, minima: bool) -> np.ndarray:
-    """Row-form codes (int8 ``[blocks, 16, groups, G]``) of a 5- or 6-bit type -> the compact copy's bytes
-    ``[blocks, groups, 320 | 192]`` (int8_kernels.c's header): the low nibbles as q4 bytes, then the high bits."""
-    u = code.astype(np.int16).reshape(code.shape[0], 16, code.shape[2], -1) + (0 if minima else 1 << (bits - 1))
-    if u.min(initial=0) < 0 or u.max(initial=0) >= 1 << bits:
-        raise SelfspecError(f"codes out of the {bits}-bit range of their type")
+    """Row-form codes (int8 ``[blocks, 16, groups, G]``) of a type of ``COMPACT_TYPES`` -> the compact copy's bytes
+    ``[blocks, groups, COMPACT_BYTES[bits]]`` (int8_kernels.c's header): the low nibbles as q4 bytes, then (5 and 6
+    bits) the high bits; LUT4: IQ4's indices of the levels."""
+    shape = (code.shape[0], 16, code.shape[2], -1)
+    if bits == LUT4:
+        u = _IQ4_INDEX[code.astype(np.int16).reshape(shape) + 128]
+    else:
+        u = code.astype(np.int16).reshape(shape) + (0 if minima else 1 << (bits - 1))
+    if u.min(initial=0) < 0 or u.max(initial=0) >= 1 << CODE_BITS.get(bits, bits):
+        raise SelfspecError(f"codes out of the range of their type's {bits}-bit form")
     u = u.astype(np.uint8)
     half = u.shape[-1] // 2  # G 32: k and k + 16 share a byte; G 16: k and k + 8
     nib = (u[..., :half] & 15) | ((u[..., half:] & 15) << 4)  # [b, 16, groups, half]: byte 4j + i
     nib = nib.reshape(*nib.shape[:3], half // 4, 4).transpose(0, 2, 3, 1, 4)  # [b, groups, j, 16, 4]
+    if bits not in (5, 6):  # nibbles alone
+        return nib.reshape(*nib.shape[:2], -1)
     per = bits - 4  # high bits per code
     high = (u >> 4).reshape(*u.shape[:3], -1, 4)  # [b, 16, groups, word j, i]
     shifts = (per * np.arange(high.shape[3], dtype=np.uint8)).reshape(1, 1, 1, -1, 1)
@@ -861,13 +881,17 @@ def _compact_rows(packed: np.ndarray, bits: int, groups: int, block: np.ndarray,
                   minima: bool) -> np.ndarray:  # fmt: skip
     """Rows (block ``block``, row ``r`` within it) of a compact copy (flat bytes) decoded to row-form int8 codes
     ``[rows, groups, G]`` (the inverse of :func:`_compact_blocks`)."""
-    size = 320 if bits == 5 else 192
-    nib_bytes = size - 64
+    size = COMPACT_BYTES[bits]
+    nib_bytes = size if bits in CODE_BITS else size - 64
     g = packed.reshape(-1, groups, size)
     nib = g[:, :, :nib_bytes].reshape(g.shape[0], groups, nib_bytes // 64, 16, 4)[block, :, :, r, :]
-    hb = g[:, :, nib_bytes:].reshape(g.shape[0], groups, 16, 4)[block, :, r, :]  # [rows, groups, 4]
     nib = nib.reshape(len(block), groups, -1)  # byte 4j + i
     u = np.concatenate([nib & 15, nib >> 4], axis=2)  # code k = 4j + i at k
+    if bits == LUT4:
+        return IQ4_LEVELS[u]
+    if bits == 3:
+        return (u.astype(np.int16) - 4).astype(np.int8)
+    hb = g[:, :, nib_bytes:].reshape(g.shape[0], groups, 16, 4)[block, :, r, :]  # [rows, groups, 4]
     per, words = bits - 4, u.shape[2] // 4
     shifts = (per * np.arange(words, dtype=np.uint8)).reshape(1, 1, -1, 1)
     high = (hb[:, :, None, :] >> shifts) & ((1 << per) - 1)  # [rows, groups, word j, i]
@@ -919,6 +943,12 @@ def k_sub_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None
         high = (raw[:, 8:].reshape(nb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(nb, 16)
         sc = ((low | ((high & 3) << 4)).astype(np.int16) - 32).astype(np.int8)
         return sc, blocks[:, 108:110].copy().view(np.float16).reshape(-1), None, None
+    if kind == "IQ4_XS":  # eight 6-bit scales: the high two bits of each in a little-endian u16, the low nibbles
+        nb = len(blocks)  # in 4 bytes, minus 32
+        high = (blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [nb, 8]
+        low = (blocks[:, 4:8].reshape(nb, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(nb, 8)
+        sc = (((low & 15) | (high.astype(np.uint8) << 4)).astype(np.int16) - 32).astype(np.int8)
+        return sc, blocks[:, :2].copy().view(np.float16).reshape(-1), None, None
     return None
 
 
@@ -978,28 +1008,29 @@ def _repack_rows(kind: str, blocks: np.ndarray,
     if kind in ("Q2_K", "Q3_K"):
         return _repack_low_k(kind, blocks, sub)
     if kind in ("IQ4_NL", "IQ4_XS"):
-        return _repack_iq4(kind, blocks)
+        return _repack_iq4(kind, blocks, sub)
     raise KeyError(kind)
 
 
 # IQ4_NL / IQ4_XS: each 4-bit index picks one of these 16 non-uniform levels (llama.cpp's table), times a scale
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+# IQ4's level -> its index (the row form holds the levels, LUT4's copy the indices); -1 where no level
+_IQ4_INDEX = np.full(256, -1, dtype=np.int16)
+_IQ4_INDEX[IQ4_LEVELS.astype(np.int16) + 128] = np.arange(16)
 
 
-def _repack_iq4(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.ndarray, None]:
+def _repack_iq4(kind: str, blocks: np.ndarray, sub: tuple | None) -> tuple[str, int, np.ndarray, np.ndarray, None]:
     """IQ4_NL (32 weights a block: d as a half, 16 bytes of indices, low nibbles first) and IQ4_XS (256 weights:
     d, the high two bits of eight 6-bit scales as a little-endian u16, their low nibbles in 4 bytes, then 8 x 16
     bytes of indices) as byte codes (the levels themselves) in groups of 32: weight = d * level (IQ4_NL),
-    d * (s - 32) * level (IQ4_XS), the same values; 8-9 bits a weight where the file holds 4.25-4.5."""
+    d * (s - 32) * level (IQ4_XS; ``sub``: :func:`k_sub_scales`), the same values.  The interleaved copy keeps the
+    indices (LUT4: 4.5 / 4.3 bits a weight, as the file)."""
     nb = blocks.shape[0]
     if kind == "IQ4_NL":
         return "q8", 32, IQ4_LEVELS[_low_high(blocks[:, 2:18])], _f16(blocks[:, :2]), None
-    d = _f16(blocks[:, :2])
-    high = (blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [nb, 8]
-    low = (blocks[:, 4:8].reshape(nb, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(nb, 8) & 15
-    s = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+    sc, d, _, _ = sub
     idx = _low_high(blocks[:, 8:].reshape(nb, 8, 16)).reshape(nb, 256)
-    return "q8", 32, IQ4_LEVELS[idx], d * s.astype(np.float32), None
+    return "q8", 32, IQ4_LEVELS[idx], d.astype(np.float32)[:, None] * sc.astype(np.float32), None
 
 
 def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
