@@ -91,10 +91,14 @@ def _x16_code(raw, bits: int, g: int, nb: int, gi: int, r: int, e: int) -> int:
     """Code e of group gi, row r of block nb, read from the interleaved bytes by int8_kernels.c's header."""
     if bits == 8:
         return int(raw[nb, gi, (e // 4) * 64 + 4 * r + e % 4])
+    if bits in (2, 3):  # the two low bits, then (3 bits) the third from the 32 bytes after them
+        low = (int(raw[nb, gi, 4 * r + e % 4]) >> (2 * (e // 4))) & 3
+        third = (int(raw[nb, gi, 64 + 4 * (r % 8) + e % 4]) >> (e // 4 + 4 * (r // 8))) & 1 if bits == 3 else 0
+        return low | third << 2
     half = 16 if bits in (4, 5, LUT4) else 8  # codes e and e + half share a byte
     byte = int(raw[nb, gi, ((e % half) // 4) * 64 + 4 * r + e % 4])
     code = byte & 15 if e < half else byte >> 4
-    if bits in (3, 4):
+    if bits == 4:
         return code
     if bits == LUT4:  # an index into IQ4's levels, taken as the q8 code level + 128
         return int(IQ4_LEVELS[code]) + 128
@@ -115,11 +119,12 @@ def _x16_scale(table: torch.Tensor, nb: int, gi: int, r: int, g: int, groups: in
 
 
 @pytest.mark.parametrize("kind, bits", [("Q4_1", 4), ("Q6_K", 6), ("Q8_0", 8), ("Q5_0", 5), ("Q5_K", 5),
-                                        ("Q4_K", 4), ("Q3_K", 3), ("IQ4_NL", LUT4), ("IQ4_XS", LUT4)])  # fmt: skip
+                                        ("Q4_K", 4), ("Q3_K", 3), ("Q2_K", 2), ("IQ4_NL", LUT4),
+                                        ("IQ4_XS", LUT4)])  # fmt: skip
 def test_x16_packing_keeps_every_code_scale_and_minimum(kind, bits):
     """The interleaved copy holds the same weight: decode it by its layout (int8_kernels.c's header); 5- and 6-bit
-    types take their compact forms (a nibble plus one or two high bits per code), Q3_K a nibble per code, IQ4 its
-    4-bit indices (LUT4), the K-quants and IQ4_XS their sub-scales."""
+    types take their compact forms (a nibble plus one or two high bits per code), Q3_K and Q2_K their 3 and 2 bits,
+    IQ4 its 4-bit indices (LUT4), the K-quants and IQ4_XS their sub-scales."""
     qw = from_gguf(kind, random_blocks(kind, 32, 256), 32, 256)
     codes, scale, minv = pack_x16(qw)
     assert qw.x16_bits == bits
@@ -150,21 +155,23 @@ def test_compact_codes_can_be_turned_off(monkeypatch):
 
 
 @pytest.mark.usefixtures("int8_activations")
-@pytest.mark.parametrize("kind, file_bits", [("Q3_K", 3.4375), ("IQ4_NL", 4.5), ("IQ4_XS", 4.25)])
-def test_q3_k_and_iq4_products_read_about_the_file_bytes(kind, file_bits, monkeypatch):
-    """Q3_K's codes and IQ4's indices stay 4-bit in the interleaved copy (Q3_K_M and IQ4_XS files of 7-8B models
-    then fit memory near their size); IQ4's looked-up levels give the byte form's products bit for bit (the same
-    integer codes), Q3_K's nibbles the dequantised weight's within activation rounding."""
-    qw = from_gguf(kind, random_blocks(kind, 64, 768, seed=11), 64, 768)
-    x = torch.randn(7, 768, generator=torch.Generator().manual_seed(12))
+@pytest.mark.parametrize("kind, held_bits", [("Q3_K", 3.5625), ("Q2_K", 3.125), ("IQ4_NL", 4.5), ("IQ4_XS", 4.3125)])
+def test_low_bit_and_iq4_products_read_their_own_bits(kind, held_bits, monkeypatch):
+    """Q3_K's and Q2_K's codes take 3 and 2 bits in the interleaved copy, IQ4's indices 4 (bits a weight: the codes,
+    the sub-scales or half scales, Q2_K's minima; the files hold 3.4, 2.6, 4.5 and 4.25), so Q2_K / Q3_K_M /
+    IQ4_XS files of 7-8B models fit memory near their size; IQ4's looked-up levels give the byte form's products
+    bit for bit (the same integer codes), the others the dequantised weight's within activation rounding."""
+    rows, k = 64, 768
+    qw = from_gguf(kind, random_blocks(kind, rows, k, seed=11), rows, k)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(12))
     y = qw.matmul(x)
-    assert qw.step_bytes * 8 / (64 * 768) <= file_bits + 1.2
+    assert qw.step_bytes * 8 / (rows * k) == held_bits
     monkeypatch.setattr(quant, "_COMPACT", False)
-    wide = from_gguf(kind, random_blocks(kind, 64, 768, seed=11), 64, 768)
+    wide = from_gguf(kind, random_blocks(kind, rows, k, seed=11), rows, k)
     assert wide.x16_bits == 8 and wide.step_bytes > 1.5 * qw.step_bytes
     if kind.startswith("IQ4"):
         assert torch.equal(wide.matmul(x), y)
-    ref = (x.double() @ qw.dequantize().double().T)
+    ref = x.double() @ qw.dequantize().double().T
     assert float((y.double() - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
 
 
@@ -198,9 +205,9 @@ def test_every_int8_path_computes_the_same_numbers(tmp_path, isa, kind_code):
     lib = ctypes.CDLL(str(lib_path))
     assert lib.selfspec_int8_kernels() == kind_code
     with activations("int8"):
-        # Q5_0, Q5_K, Q6_K: compact 5- and 6-bit codes; Q3_K, IQ4: nibbles (IQ4's looked up); the last: a
+        # Q5_0, Q5_K, Q6_K: compact 5- and 6-bit codes; Q3_K, Q2_K: 3 and 2 bits; IQ4: looked up; the last: a
         # symmetric 4-bit draft copy
-        for kind in ("Q4_K", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q3_K", "IQ4_NL", "IQ4_XS", "Q8_0->q4"):
+        for kind in ("Q4_K", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "Q8_0->q4"):
             for T in (1, 5, 9):
                 source = kind.split("->")[0]
                 qw = from_gguf(source, random_blocks(source, 48, 512, seed=4), 48, 512)
@@ -242,7 +249,7 @@ def test_the_fused_stack_follows_the_activation_mode(smollm2):
 @pytest.mark.parametrize("kind, compact", [("Q4_1", True), ("Q4_K", True), ("Q8_0", True), ("Q6_K", True),
                                            ("Q5_0", True), ("Q5_1", True), ("Q5_K", True), ("Q5_1", False),
                                            ("Q6_K", False), ("Q3_K", True), ("Q3_K", False), ("IQ4_NL", True),
-                                           ("IQ4_XS", True), ("IQ4_XS", False)])  # fmt: skip
+                                           ("IQ4_XS", True), ("IQ4_XS", False), ("Q2_K", True)])  # fmt: skip
 def test_a_released_row_form_is_rebuilt_bit_for_bit(kind, compact, monkeypatch):
     """Under int8 activations a layer's weight may keep its interleaved copy only; reading the row form rebuilds
     it exactly (with 5-bit codes at a byte each, q8 weights with minima keep both: their stored minimum - 128 *
@@ -288,7 +295,7 @@ def test_the_fused_stack_keeps_layer_weights_in_one_form_under_int8(smollm2):
         assert torch.equal(logits(), fp32)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q6_K", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"])
 def test_rows_of_a_released_table_are_looked_up_from_its_interleaved_copy(kind):
     """Token embeddings and the draft vocabulary read rows of a tied table whose row form is released: the
     same rows, without rebuilding the whole table."""
@@ -324,7 +331,7 @@ def test_a_model_loaded_under_int8_keeps_one_form_of_its_weights():
 
 @pytest.mark.usefixtures("int8_activations")
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_0->q4", "Q4_K", "Q5_K", "Q6_K",
-                                  "Q3_K", "IQ4_NL", "IQ4_XS"])  # fmt: skip
+                                  "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"])  # fmt: skip
 def test_half_scales_give_the_products_of_fp32_scales_bit_for_bit(kind, monkeypatch):
     """Types whose scales are halves in the file (and the 4-bit draft copies) keep them as halves in the
     interleaved copy, the K-quants as their sub-scales (a byte per group times a half per 256 weights): fewer bytes
@@ -334,8 +341,8 @@ def test_half_scales_give_the_products_of_fp32_scales_bit_for_bit(kind, monkeypa
     qw = low_bit_copy(qw) if "->" in kind else qw
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
     y = qw.matmul(x)
-    # K-quant (and IQ4_XS) scales are products of a half and a 6- or 8-bit integer
-    sub = kind in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS")
+    # K-quant (and IQ4_XS) scales are products of a half and a 4-, 6- or 8-bit integer
+    sub = kind in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")
     assert qw.x16()[1].dtype == (torch.uint8 if sub else torch.float16)
     assert qw.x16_form & (quant.X16_SUB8 if sub else quant.X16_SCALE16)
     monkeypatch.setattr(quant, "_half_scales", lambda *args: False)

@@ -33,11 +33,13 @@ def test_a_synthetic_file_has_the_q4_k_m_recipe(tiny_file):
     assert "tokenizer.ggml.tokens" in reader.fields  # the donor's tokenizer (the built-in SmolLM2's)
 
 
-@pytest.mark.parametrize("mix, base, more, form", [("q3_k", "Q3_K", "Q4_K", "q6k/16"),
-                                                   ("iq4_xs", "IQ4_XS", "IQ4_XS", "q8/32")])  # fmt: skip
+@pytest.mark.parametrize("mix, base, more, form", [("q3_k", "Q3_K", "Q4_K", "q3k/16"),
+                                                   ("q2_k", "Q2_K", "Q3_K", "q2k/16"),
+                                                   ("iq4_xs", "IQ4_XS", "IQ4_XS", "iq4k/32")])  # fmt: skip
 def test_lower_bit_mixes_load_in_their_types_and_decode_losslessly(tmp_path, mix, base, more, form):
-    """Files of the types users run 7-8B models in on small machines (Q3_K_M-, IQ4_XS-like): every layer tensor
-    stays quantised (Q3_K in Q6_K's 6-bit form, IQ4_XS as byte levels) and drafts keep vanilla's tokens."""
+    """Files of the types users run 7-8B models in on small machines (Q3_K_M-, Q2_K-, IQ4_XS-like): every layer
+    tensor stays quantised (Q3_K and Q2_K in 3 and 2 bits with their sub-scales, IQ4_XS as its 4-bit indices) and drafts
+    keep vanilla's tokens."""
     from gguf import GGUFReader
 
     path = write_synthetic(TINY, tmp_path / f"{mix}.gguf", seed=5, mix=mix)

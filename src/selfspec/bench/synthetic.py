@@ -8,10 +8,10 @@ entry are copied from a GGUF file of the same family (``--like``: a qwen2 file f
 one such as the built-in SmolLM2's for the Llama shapes; the vocabulary is the donor's). Tensor types follow
 llama.cpp's Q4_K_M recipe (Q6_K for the tied embedding / head and for ``attn_v`` and ``ffn_down`` of the first
 and last eighth of the layers and every third in between, Q4_K elsewhere; where a row is not a multiple of 256
-weights, as Gemma 3's hidden sizes, llama.cpp's fallbacks: Q5_0 for Q4_K, Q8_0 for Q6_K).  ``--mix q3_k`` and
-``--mix iq4_xs`` write files of the lower-bit types users run 7-8B models in: Q3_K (or IQ4_XS) where the Q4_K_M
-recipe has Q4_K, Q4_K (IQ4_XS) where it has Q6_K in the layers, the head in Q6_K (near llama.cpp's Q3_K_M and
-IQ4_XS recipes, not their exact per-layer choices).
+weights, as Gemma 3's hidden sizes, llama.cpp's fallbacks: Q5_0 for Q4_K, Q8_0 for Q6_K).  ``--mix q3_k``,
+``q2_k`` and ``iq4_xs`` write files of the lower-bit types users run 7-8B models in: Q3_K (Q2_K, IQ4_XS) where the
+Q4_K_M recipe has Q4_K, Q4_K (Q3_K, IQ4_XS) where it has Q6_K in the layers, the head in Q6_K (near llama.cpp's
+Q3_K_M, Q2_K and IQ4_XS recipes, not their exact per-layer choices).
 
 Run: ``python -m selfspec.bench.synthetic --shape qwen2.5-1.5b --out /tmp/qwen-1.5b.gguf`` (``--like`` defaults
 to the built-in model of the family: ``selfspec models install qwen2.5-coder-0.5b`` for the Qwen2.5 shapes)
@@ -84,13 +84,14 @@ SHAPES = {
 DEFAULT_DONOR = {"qwen2": "qwen2.5-coder-0.5b", "llama": "smollm2-135m", "gemma3": "gemma3-270m"}  # built-ins
 
 _BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q3_K": (256, 110),
-           "IQ4_XS": (256, 136), "IQ4_NL": (32, 18)}  # (weights, bytes) a block  # fmt: skip
-_SCALE_AT = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,), "Q3_K": (108,), "IQ4_XS": (0,),
-             "IQ4_NL": (0,)}  # byte offsets of each block's fp16 scales  # fmt: skip
+           "Q2_K": (256, 84), "IQ4_XS": (256, 136), "IQ4_NL": (32, 18)}  # (weights, bytes) a block  # fmt: skip
+_SCALE_AT = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q8_0": (0,), "Q3_K": (108,), "Q2_K": (80, 82),
+             "IQ4_XS": (0,), "IQ4_NL": (0,)}  # byte offsets of each block's fp16 scales  # fmt: skip
 # llama.cpp's types for rows that are not a multiple of 256 weights
-_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0", "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL"}
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0", "Q3_K": "IQ4_NL", "Q2_K": "IQ4_NL", "IQ4_XS": "IQ4_NL"}
 # the layers' types of each mix: (where Q4_K_M has Q4_K, where it has Q6_K)
-MIXES = {"q4_k_m": ("Q4_K", "Q6_K"), "q3_k": ("Q3_K", "Q4_K"), "iq4_xs": ("IQ4_XS", "IQ4_XS")}
+MIXES = {"q4_k_m": ("Q4_K", "Q6_K"), "q3_k": ("Q3_K", "Q4_K"), "q2_k": ("Q2_K", "Q3_K"),
+         "iq4_xs": ("IQ4_XS", "IQ4_XS")}  # fmt: skip
 
 
 def _kind(kind: str, cols: int) -> str:
@@ -144,7 +145,8 @@ def _tensors(shape: Shape, vocab: int, rng: np.random.Generator, mix: str = "q4_
         yield "output.weight", _random_blocks(rng, _kind("Q6_K", h), vocab, h, 2e-5), _kind("Q6_K", h)
 
 
-FILE_TYPES = {"q4_k_m": 15, "q3_k": 12, "iq4_xs": 30}  # general.file_type: llama.cpp's MOSTLY_Q4_K_M, _Q3_K_M, _IQ4_XS
+# general.file_type: llama.cpp's MOSTLY_Q4_K_M, _Q3_K_M, _Q2_K, _IQ4_XS
+FILE_TYPES = {"q4_k_m": 15, "q3_k": 12, "q2_k": 10, "iq4_xs": 30}
 
 
 def _copy_metadata(writer, reader, shape: Shape, name: str, mix: str = "q4_k_m") -> None:
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mix", default="q4_k_m", choices=list(MIXES),
-                        help="tensor types: llama.cpp's Q4_K_M recipe (default), or Q3_K / IQ4_XS in its place")
+                        help="tensor types: llama.cpp's Q4_K_M recipe (default), or Q3_K / Q2_K / IQ4_XS in its place")
     args = parser.parse_args(argv)
     print(write_synthetic(args.shape, args.out, args.like, args.seed, args.mix))
 

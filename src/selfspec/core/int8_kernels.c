@@ -24,9 +24,10 @@
  * 2j, 2j + 1 (BITS 6).  A group of 16 rows then takes 320 bytes for 32 codes (q8: 512) or 192 for 16 (q8: 256),
  * and m = -16 d or -32 d for the symmetric types (stored minima are the row form's own, exact).
  *
- * Two more forms keep 4 bits a code in q4's nibble layout.  BITS 3, G 16 (Q3_K's codes -4..3 as u = code + 4, 0..7;
- * k = 4j + i low and k = 8 + 4j + i high in two 64-byte groups, 128 bytes for 16 codes of 16 rows), symmetric:
- * m = -4 d.  LUT4, G 32 (IQ4_NL / IQ4_XS): the nibbles are indices into IQ4's 16 non-uniform levels, which a
+ * Forms of 2 and 3 bits, G 16 (Q2_K's codes 0..3 with stored minima; Q3_K's -4..3 as u = code + 4, 0..7,
+ * symmetric: m = -4 d): a 64-byte group whose byte 4r + i holds the low two bits of code k = 4j + i in its bits
+ * 2j, 2j + 1 (64 bytes for 16 codes of 16 rows), and for BITS 3 a 32-byte group of third bits, byte 4r' + i
+ * (r' = r mod 8) holding bit 2 of code k = 4j + i of row r in bit j + 4 (r div 8) (96 bytes).  LUT4, G 32 (IQ4_NL / IQ4_XS): the nibbles are indices into IQ4's 16 non-uniform levels, which a
  * byte shuffle (vpshufb, tbl) turns into the level + 128, then taken as a q8 code (m = -128 d): the weights read
  * at the file's 4 bits where a byte a code was read.
  *
@@ -186,11 +187,17 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
 
 /* Bytes of one group of G codes for 16 output rows in each form, and a symmetric form's minimum in units of d */
 #define LUT4 12 /* a form's BITS for IQ4's indices (see the header) */
-#define NIBBLES(BITS) ((BITS) == 3 || (BITS) == 4 || (BITS) == LUT4) /* the forms of 4-bit codes alone */
+#define NIBBLES(BITS) ((BITS) == 4 || (BITS) == LUT4) /* the forms of 4-bit codes alone */
 #define GROUP_BYTES(BITS, G)                                                                                          \
-    ((BITS) == 4 || (BITS) == LUT4 ? 256 : (BITS) == 3 ? 128 : (BITS) == 5 ? 320 : (BITS) == 6 ? 192 : (G) * 16)
+    ((BITS) == 4 || (BITS) == LUT4 ? 256                                                                             \
+     : (BITS) == 2                 ? 64                                                                              \
+     : (BITS) == 3                 ? 96                                                                              \
+     : (BITS) == 5                 ? 320                                                                             \
+     : (BITS) == 6                 ? 192                                                                             \
+                                   : (G) * 16)
 #define SYM_MIN(BITS) \
-    ((BITS) == 3 ? -4.0f : (BITS) == 4 ? -8.0f : (BITS) == 5 ? -16.0f : (BITS) == 6 ? -32.0f : -128.0f)
+    ((BITS) == 2 ? -2.0f : (BITS) == 3 ? -4.0f : (BITS) == 4 ? -8.0f : (BITS) == 5 ? -16.0f : (BITS) == 6 ? -32.0f \
+                                                                                                   : -128.0f)
 /* IQ4's levels (llama.cpp's kvalues_iq4nl: -127, -104, ..., 113) + 128, the unsigned codes a LUT4 index picks */
 static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 #define X16_SCALE16 0x100 /* in a product's form: scales and minima are IEEE halves */
@@ -269,15 +276,30 @@ static inline __attribute__((always_inline)) void decode_compact512(const int BI
  * each 64-byte group, then the high ones; LUT4's indices looked up (vpshufb within each 16-byte lane) */
 static inline __attribute__((always_inline)) void decode_nibbles512(const int BITS, const uint8_t *c, __m512i w[8]) {
     const __m512i low = _mm512_set1_epi8(15);
-    const int J = BITS == 3 ? 2 : 4;
-    for (int j = 0; j < J; j++) {
+    for (int j = 0; j < 4; j++) {
         const __m512i v = _mm512_loadu_si512(c + 64 * j);
         w[j] = _mm512_and_si512(v, low);
-        w[j + J] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
     if (BITS == LUT4) {
         const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
         for (int j = 0; j < 8; j++) w[j] = _mm512_shuffle_epi8(table, w[j]);
+    }
+}
+
+/* A 2- or 3-bit group's codes (c: its first byte) as the words w[j] (k = 4j + i): the two-bit fields of word j,
+ * and for BITS 3 the third bits (the upper 32 bytes, rows 8-15, take theirs from bits 4-7) moved to bit 2 */
+static inline __attribute__((always_inline)) void decode_low512(const int BITS, const uint8_t *c, __m512i w[4]) {
+    const __m512i v = _mm512_loadu_si512(c), three = _mm512_set1_epi8(3);
+    for (int j = 0; j < 4; j++) w[j] = _mm512_and_si512(j ? _mm512_srli_epi16(v, 2 * j) : v, three);
+    if (BITS == 3) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(c + 64));
+        const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 4), 1);
+        const __m512i four = _mm512_set1_epi8(4);
+        for (int j = 0; j < 4; j++) { /* bit j to bit 2: bits only move within a byte once masked */
+            const __m512i t = j < 2 ? _mm512_slli_epi16(hb, 2 - j) : j > 2 ? _mm512_srli_epi16(hb, j - 2) : hb;
+            w[j] = _mm512_ternarylogic_epi32(w[j], t, four, 0xF8);
+        }
     }
 }
 
@@ -307,6 +329,8 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
         __m512i w[8];
         if (NIBBLES(BITS)) {
             decode_nibbles512(BITS, codes + g * GROUP_BYTES(BITS, G), w);
+        } else if (BITS == 2 || BITS == 3) {
+            decode_low512(BITS, codes + g * GROUP_BYTES(BITS, G), w);
         } else if (BITS == 5 || BITS == 6) {
             decode_compact512(BITS, codes + g * GROUP_BYTES(BITS, G), w);
         } else {
@@ -472,14 +496,25 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                                   : scales8(minv, g, h, SK, groups, G);
             __m256i w[8];
             if (NIBBLES(BITS)) {
-                const int J = BITS == 3 ? 2 : 4; /* as decode_nibbles512 */
-                for (int j = 0; j < J; j++) {
+                for (int j = 0; j < 4; j++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
                     w[j] = _mm256_and_si256(v, low);
-                    w[j + J] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
                 if (BITS == LUT4)
                     for (int j = 0; j < 8; j++) w[j] = _mm256_shuffle_epi8(table, w[j]);
+            } else if (BITS == 2 || BITS == 3) { /* as decode_low512; this half's third bits: bits 4h .. 4h + 3 */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)c), three = _mm256_set1_epi8(3);
+                for (int j = 0; j < 4; j++) w[j] = _mm256_and_si256(j ? _mm256_srli_epi16(v, 2 * j) : v, three);
+                if (BITS == 3) {
+                    __m256i hb = _mm256_loadu_si256((const __m256i *)(codes + g * group_bytes + 64));
+                    if (h) hb = _mm256_srli_epi16(hb, 4);
+                    const __m256i four = _mm256_set1_epi8(4);
+                    for (int j = 0; j < 4; j++) {
+                        const __m256i t = j < 2 ? _mm256_slli_epi16(hb, 2 - j) : j > 2 ? _mm256_srli_epi16(hb, j - 2) : hb;
+                        w[j] = _mm256_or_si256(w[j], _mm256_and_si256(t, four));
+                    }
+                }
             } else if (BITS == 5 || BITS == 6)
                 decode_compact(BITS, c, w);
             for (int t = 0; t < NB; t++) {
@@ -487,7 +522,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                 const int32_t *xst = xs + t * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
                 const int32_t xsum = G == 32 ? xst[0] + xst[1] : xst[0];
                 const __m256i s = BITS == 4                               ? sums_q4(w, xg)
-                                  : BITS == 3 || BITS == 5 || BITS == 6 ? sums_small(G / 4, w, xg)
+                                  : BITS <= 3 || BITS == 5 || BITS == 6 ? sums_small(G / 4, w, xg)
                                   : BITS == LUT4                          ? sums_bytes(8, w, xg, xsum)
                                                                           : sums_q8(G, c, xg, xsum);
                 const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
@@ -554,12 +589,17 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
 
 static inline void decode_group_portable(int bits, long G, const uint8_t *codes, long g, uint8_t *w) {
     if (NIBBLES(bits)) {
-        const long half = bits == 3 ? 128 : 256; /* bytes of the group: the low nibbles' words, then the high */
-        const uint8_t *c = codes + g * half;
-        for (int l = 0; l < half; l++) w[l] = c[l] & 15;
-        for (int l = 0; l < half; l++) w[half + l] = c[l] >> 4;
+        const uint8_t *c = codes + g * 256;
+        for (int l = 0; l < 256; l++) w[l] = c[l] & 15;
+        for (int l = 0; l < 256; l++) w[256 + l] = c[l] >> 4;
         if (bits == LUT4)
             for (int l = 0; l < 512; l++) w[l] = IQ4_CODES[w[l]];
+    } else if (bits == 2 || bits == 3) { /* byte l = 4r + i of word j; rows 8-15 (l >= 32) keep bits 4-7 */
+        const uint8_t *c = codes + g * GROUP_BYTES(bits, 16);
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 64; l++)
+                w[64 * j + l] = (uint8_t)(((c[l] >> (2 * j)) & 3)
+                                          | (bits == 3 ? ((c[64 + (l & 31)] >> (j + 4 * (l >> 5))) & 1) << 2 : 0));
     } else if (bits == 5) {
         const uint8_t *c = codes + g * 320;
         for (int j = 0; j < 8; j++)
@@ -665,8 +705,12 @@ static void linear_x16_ws(int form, long T, long N, long K, long G, const qrows 
         const float *bb = bias ? bias + nb * 16 : NULL;
 #if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
         float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
-        if (bits == 3 && sk == 2)
-            BLOCK_ROWS(3, 16, 1, 2); /* Q3_K's codes as nibbles, its sub-scales */
+        if (bits == 2 && sk == 2)
+            BLOCK_ROWS(2, 16, 0, 2); /* Q2_K: its sub-scales and minima */
+        else if (bits == 2)
+            BLOCK_ROWS(2, 16, 0, 0);
+        else if (bits == 3 && sk == 2)
+            BLOCK_ROWS(3, 16, 1, 2); /* Q3_K */
         else if (bits == 3)
             BLOCK_ROWS(3, 16, 1, 0);
         else if (bits == LUT4 && sk == 2)

@@ -11,8 +11,8 @@ bit for bit what ``gguf.dequantize`` gives):
   IQ4_NL and IQ4_XS as the byte levels their 4-bit indices pick).
 
 Under int8 activations products read an interleaved copy (:func:`pack_x16`, ``int8_kernels.c``) whose codes take
-their own width where a form exists (5 and 6 bits; Q3_K's and IQ4's 4, IQ4's levels looked up in the kernels);
-only Q2_K's copy still holds a byte a code.
+their own width (Q2_K's 2 bits, Q3_K's 3, Q5's 5, Q6_K's 6; IQ4's 4-bit indices, the levels looked up in the
+kernels).
 
 Other GGUF types (the 1-3-bit IQ types, ...) have no repack yet: the loader
 dequantises those tensors with a warning naming the type.
@@ -408,12 +408,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 # GGUF types whose codes the interleaved copy holds at their own width (int8_kernels.c's compact forms): type ->
 # (bits, group, whether a minimum is stored).  The row form keeps them as a byte per code.  Q3_K's codes (-4..3)
-# take a nibble each (form 3); IQ4's indices stay 4-bit, looked up in the kernels (LUT4: the levels as q8 codes).
+# take 3 bits, Q2_K's (0..3) 2; IQ4's indices stay 4-bit, looked up in the kernels (LUT4: the levels as q8 codes).
 LUT4 = 12  # int8_kernels.c's form of IQ4's 4-bit indices
 COMPACT_TYPES = {"Q5_0": (5, 32, False), "Q5_1": (5, 32, True), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False),
-                 "Q3_K": (3, 16, False), "IQ4_NL": (LUT4, 32, False), "IQ4_XS": (LUT4, 32, False)}  # fmt: skip
-COMPACT_BYTES = {3: 128, 5: 320, 6: 192, LUT4: 256}  # bytes of one group of 16 rows' codes in each compact form
-CODE_BITS = {3: 4, LUT4: 4}  # bits a code takes where the form's number is not that
+                 "Q3_K": (3, 16, False), "Q2_K": (2, 16, True), "IQ4_NL": (LUT4, 32, False),
+                 "IQ4_XS": (LUT4, 32, False)}  # fmt: skip
+COMPACT_BYTES = {2: 64, 3: 96, 5: 320, 6: 192, LUT4: 256}  # bytes of one group of 16 rows' codes in each form
+CODE_BITS = {LUT4: 4}  # bits a code takes where the form's number is not that
 COMPACT_ENV = "SELFSPEC_COMPACT_CODES"  # 0: 5- and 6-bit codes take a byte each in the interleaved copy too (A/B)
 _COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
 
@@ -423,7 +424,7 @@ HALF_SCALE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 X16_SCALE16 = 0x100  # int8_kernels.c: a product's form = bits per code | this flag for half scales
 # The K-quants' scales are small integers times a half per 256 weights: their interleaved copies keep that form
 # (int8_kernels.c's X16_SUB8: a signed byte per group, a half per 256 weights; exact), 1.1-1.25 bytes a scale
-SUB_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS")
+SUB_SCALE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")
 X16_SUB8 = 0x200
 SUB_SCALES_ENV = "SELFSPEC_SUB_SCALES"  # 0: the K-quants' copies hold fp32 scales (A/B)
 _SUB_SCALES = os.environ.get(SUB_SCALES_ENV, "1").strip() != "0"
@@ -598,7 +599,7 @@ class QuantWeight:
 
     @property
     def x16_code_bits(self) -> int:
-        """Bits one code takes in the interleaved copy (Q3_K's and IQ4's forms: 4)."""
+        """Bits one code takes in the interleaved copy (IQ4's form, LUT4: 4)."""
         return CODE_BITS.get(self.x16_bits, self.x16_bits)
 
     @property
@@ -808,7 +809,7 @@ def _half_scales(w: QuantWeight, bits: int, sym: bool) -> bool:
 def _sub_scale_form(w: QuantWeight, bits: int) -> bool:
     """Whether the interleaved copy of ``w`` may hold its scales as sub-scales (X16_SUB8): a K-quant whose copy's
     codes take 4-6 bits (not the byte form), rows of whole 256-weight blocks."""
-    return _SUB_SCALES and w.source in SUB_SCALE_TYPES and bits in (3, 4, 5, 6, LUT4) and w.in_features % 256 == 0
+    return _SUB_SCALES and w.source in SUB_SCALE_TYPES and bits in (2, 3, 4, 5, 6, LUT4) and w.in_features % 256 == 0
 
 
 def _sub_table(small: np.ndarray, halves: np.ndarray, group: int) -> torch.Tensor:
@@ -865,10 +866,12 @@ def _compact_blocks(code: np.ndarray, bits: int, minima: bool) -> np.ndarray:
     if u.min(initial=0) < 0 or u.max(initial=0) >= 1 << CODE_BITS.get(bits, bits):
         raise SelfspecError(f"codes out of the range of their type's {bits}-bit form")
     u = u.astype(np.uint8)
+    if bits in (2, 3):
+        return _low_bit_blocks(u, bits)
     half = u.shape[-1] // 2  # G 32: k and k + 16 share a byte; G 16: k and k + 8
     nib = (u[..., :half] & 15) | ((u[..., half:] & 15) << 4)  # [b, 16, groups, half]: byte 4j + i
     nib = nib.reshape(*nib.shape[:3], half // 4, 4).transpose(0, 2, 3, 1, 4)  # [b, groups, j, 16, 4]
-    if bits not in (5, 6):  # nibbles alone
+    if bits == LUT4:  # nibbles alone
         return nib.reshape(*nib.shape[:2], -1)
     per = bits - 4  # high bits per code
     high = (u >> 4).reshape(*u.shape[:3], -1, 4)  # [b, 16, groups, word j, i]
@@ -877,20 +880,45 @@ def _compact_blocks(code: np.ndarray, bits: int, minima: bool) -> np.ndarray:
     return np.concatenate([nib.reshape(*nib.shape[:2], -1), hb.reshape(*hb.shape[:2], -1)], axis=2)
 
 
+def _low_bit_blocks(u: np.ndarray, bits: int) -> np.ndarray:
+    """2- or 3-bit codes ``u`` (uint8 ``[b, 16, groups, 16]``, already offset) -> their groups' bytes ``[b, groups,
+    64 | 96]``: byte 4r + i holds the low two bits of code 4j + i in bits 2j, 2j + 1; for 3 bits 32 bytes more,
+    byte 4 (r mod 8) + i holding bit 2 of code 4j + i of row r in bit j + 4 (r div 8) (int8_kernels.c's header)."""
+    w = u.reshape(*u.shape[:3], 4, 4)  # [b, r, groups, j, i]
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)
+    low = np.bitwise_or.reduce((w & 3) << shifts, axis=3).transpose(0, 2, 1, 3)  # [b, groups, r, i]
+    low = low.reshape(*low.shape[:2], 64)
+    if bits == 2:
+        return low
+    third = ((w >> 2) & 1).transpose(0, 2, 1, 3, 4)  # [b, groups, r, j, i]
+    at = (np.arange(4, dtype=np.uint8)[:, None] + 4 * (np.arange(16, dtype=np.uint8) // 8)[None, :])  # [j, r]
+    bit = third << at.T.reshape(1, 1, 16, 4, 1)  # bit j + 4 (r div 8)
+    high = np.bitwise_or.reduce(bit, axis=3)  # [b, groups, r, i]
+    high = high[:, :, :8] | high[:, :, 8:]  # rows r and r + 8 share a byte
+    return np.concatenate([low, high.reshape(*high.shape[:2], 32)], axis=2)
+
+
 def _compact_rows(packed: np.ndarray, bits: int, groups: int, block: np.ndarray, r: np.ndarray,
                   minima: bool) -> np.ndarray:  # fmt: skip
     """Rows (block ``block``, row ``r`` within it) of a compact copy (flat bytes) decoded to row-form int8 codes
     ``[rows, groups, G]`` (the inverse of :func:`_compact_blocks`)."""
     size = COMPACT_BYTES[bits]
-    nib_bytes = size if bits in CODE_BITS else size - 64
     g = packed.reshape(-1, groups, size)
+    if bits in (2, 3):
+        low = g[:, :, :64].reshape(g.shape[0], groups, 16, 4)[block, :, r, :]  # [rows, groups, i]
+        u = (low[:, :, None, :] >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3  # [.., j, i]
+        if bits == 3:
+            high = g[:, :, 64:].reshape(g.shape[0], groups, 8, 4)[block, :, r % 8, :]  # [rows, groups, i]
+            at = (np.arange(4, dtype=np.uint8)[None, :] + (4 * (r // 8)).astype(np.uint8)[:, None])  # [rows, j]
+            u = u | (((high[:, :, None, :] >> at[:, None, :, None]) & 1) << 2)
+        u = u.reshape(len(block), groups, 16)
+        return (u.astype(np.int16) - (0 if minima else 4)).astype(np.int8)
+    nib_bytes = size if bits in CODE_BITS else size - 64
     nib = g[:, :, :nib_bytes].reshape(g.shape[0], groups, nib_bytes // 64, 16, 4)[block, :, :, r, :]
     nib = nib.reshape(len(block), groups, -1)  # byte 4j + i
     u = np.concatenate([nib & 15, nib >> 4], axis=2)  # code k = 4j + i at k
     if bits == LUT4:
         return IQ4_LEVELS[u]
-    if bits == 3:
-        return (u.astype(np.int16) - 4).astype(np.int8)
     hb = g[:, :, nib_bytes:].reshape(g.shape[0], groups, 16, 4)[block, :, r, :]  # [rows, groups, 4]
     per, words = bits - 4, u.shape[2] // 4
     shifts = (per * np.arange(words, dtype=np.uint8)).reshape(1, 1, -1, 1)
@@ -943,6 +971,10 @@ def k_sub_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None
         high = (raw[:, 8:].reshape(nb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(nb, 16)
         sc = ((low | ((high & 3) << 4)).astype(np.int16) - 32).astype(np.int8)
         return sc, blocks[:, 108:110].copy().view(np.float16).reshape(-1), None, None
+    if kind == "Q2_K":  # a byte per 16 weights: the scale's 4 bits low, the minimum's high; then d and dmin
+        sc, m = (blocks[:, :16] & 15).astype(np.int8), (blocks[:, :16] >> 4).astype(np.int8)
+        d, dmin = blocks[:, 80:82].copy().view(np.float16), blocks[:, 82:84].copy().view(np.float16)
+        return sc, d.reshape(-1), m, -dmin.reshape(-1)
     if kind == "IQ4_XS":  # eight 6-bit scales: the high two bits of each in a little-endian u16, the low nibbles
         nb = len(blocks)  # in 4 bytes, minus 32
         high = (blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [nb, 8]
@@ -1045,15 +1077,16 @@ def _repack_low_k(kind: str, blocks: np.ndarray, sub: tuple | None) -> tuple[str
                                                                           np.ndarray | None]:  # fmt: skip
     """Q2_K and Q3_K (256 weights a block, a scale per 16) as codes in groups of 16 with the same values.  Q2_K:
     weight = d * (s & 15) * q - dmin * (s >> 4), q in 0..3 (bytes 0-15 the 4-bit scale and minimum of each 16,
-    16-79 the codes, then d and dmin as halves), held as a byte per code and fp32 scales and minima (12 bits a
-    weight where the file holds 2.6).  Q3_K: weight = d * (s - 32) * q, q in -4..3 (bytes 0-31 the codes' third
-    bits, clear where 4 is subtracted; 32-95 their low two bits; 96-107 the 6-bit scales s, :func:`k_sub_scales`;
-    then d), whose interleaved copy takes Q6_K's form (6.6 bits a weight where the file holds 3.4)."""
+    16-79 the codes, then d and dmin as halves).  Q3_K: weight = d * (s - 32) * q, q in -4..3 (bytes 0-31 the
+    codes' third bits, clear where 4 is subtracted; 32-95 their low two bits; 96-107 the 6-bit scales s,
+    :func:`k_sub_scales`; then d).  The row form holds a byte per code; the interleaved copies 3 and 2 bits, with
+    the sub-scales (and Q2_K's minima) as stored: 3.6 (Q3_K) and 3.1 (Q2_K) bits a weight where the file holds
+    3.4 and 2.6."""
     nb = blocks.shape[0]
     if kind == "Q2_K":
-        s, d, dmin = blocks[:, :16], _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
-        scale = d * (s & 15).astype(np.float32)
-        minv = -(dmin * (s >> 4).astype(np.float32))
+        sc, d, m, neg_dmin = sub
+        minv = neg_dmin.astype(np.float32)[:, None] * m.astype(np.float32)  # -(dmin * m), exactly
+        scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
         return "q8", 16, _two_bit_fields(blocks[:, 16:80]).astype(np.int8), scale, minv
     sc, d, _, _ = sub
     scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
