@@ -13,13 +13,15 @@ static uint64_t st = 88172645463325252ull;
 static uint32_t rnd(void) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; return (uint32_t)st; }
 static float frnd(void) { return ((rnd() >> 8) / 16777216.0f - 0.5f) * 2.0f; }
 static uint16_t half_of(float f) { _Float16 h = (_Float16)f; uint16_t u; memcpy(&u, &h, 2); return u; }
-#define GB(B, G) ((B) == 4 || (B) == 12 ? 256 : (B) == 2 ? 64 : (B) == 3 ? 96 : (B) == 5 ? 320 : (B) == 6 ? 192 : (G) * 16)
+#define GB(B, G) \
+    ((B) == 4 || (B) == 12 ? 256 : (B) == 2 ? 64 : (B) == 3 ? 96 : (B) == 5 ? 320 : (B) == 6 ? 192 : (G) * 16)
 int main(void) {
     printf("kind %d\n", selfspec_int8_kernels());
     const int cases[][4] = {/* bits, G, sym, sk */
         {4, 32, 0, 2}, {5, 32, 0, 2}, {6, 16, 1, 2}, {4, 32, 0, 1}, {4, 32, 1, 1}, {5, 32, 0, 1}, {5, 32, 1, 1},
         {6, 16, 1, 0}, {8, 32, 0, 0}, {8, 32, 1, 1}, {8, 16, 0, 0}, {8, 16, 1, 0}, {4, 32, 0, 0}, {8, 32, 1, 0},
-        {3, 16, 1, 2}, {3, 16, 1, 0}, {2, 16, 0, 2}, {2, 16, 0, 0}, {12, 32, 1, 2}, {12, 32, 1, 1}, {12, 32, 1, 0}}; /* 12: LUT4 (IQ4) */
+        {3, 16, 1, 2}, {3, 16, 1, 0}, {2, 16, 0, 2}, {2, 16, 0, 0},
+        {12, 32, 1, 2}, {12, 32, 1, 1}, {12, 32, 1, 0}}; /* 12: LUT4 (IQ4's indices) */
     const long N = 48, K = 512;
     for (unsigned c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         const int bits = cases[c][0], G = cases[c][1], sym = cases[c][2], sk = cases[c][3];

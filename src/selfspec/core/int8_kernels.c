@@ -27,9 +27,10 @@
  * Forms of 2 and 3 bits, G 16 (Q2_K's codes 0..3 with stored minima; Q3_K's -4..3 as u = code + 4, 0..7,
  * symmetric: m = -4 d): a 64-byte group whose byte 4r + i holds the low two bits of code k = 4j + i in its bits
  * 2j, 2j + 1 (64 bytes for 16 codes of 16 rows), and for BITS 3 a 32-byte group of third bits, byte 4r' + i
- * (r' = r mod 8) holding bit 2 of code k = 4j + i of row r in bit j + 4 (r div 8) (96 bytes).  LUT4, G 32 (IQ4_NL / IQ4_XS): the nibbles are indices into IQ4's 16 non-uniform levels, which a
- * byte shuffle (vpshufb, tbl) turns into the level + 128, then taken as a q8 code (m = -128 d): the weights read
- * at the file's 4 bits where a byte a code was read.
+ * (r' = r mod 8) holding bit 2 of code k = 4j + i of row r in bit j + 4 (r div 8) (96 bytes).  LUT4, G 32
+ * (IQ4_NL / IQ4_XS), q4's nibble layout: the nibbles are indices into IQ4's 16 non-uniform levels, which a byte
+ * shuffle (vpshufb; a table in portable C) turns into the level + 128, then taken as a q8 code (m = -128 d): the
+ * weights read at the file's 4 bits where a byte a code was read.
  *
  * Scales (and minima) are fp32, or IEEE halves where every one of them is a half exactly (the GGUF types that store
  * fp16 scales: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the 4-bit draft copies, whose scales are rounded to halves): a
@@ -272,7 +273,7 @@ static inline __attribute__((always_inline)) void decode_compact512(const int BI
     }
 }
 
-/* A nibble group's codes (c: its first byte; BITS 3, 4 or LUT4) as the words w[j] (k = 4j + i): the low nibbles of
+/* A nibble group's codes (c: its first byte; BITS 4 or LUT4) as the words w[j] (k = 4j + i): the low nibbles of
  * each 64-byte group, then the high ones; LUT4's indices looked up (vpshufb within each 16-byte lane) */
 static inline __attribute__((always_inline)) void decode_nibbles512(const int BITS, const uint8_t *c, __m512i w[8]) {
     const __m512i low = _mm512_set1_epi8(15);
@@ -511,7 +512,9 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                     if (h) hb = _mm256_srli_epi16(hb, 4);
                     const __m256i four = _mm256_set1_epi8(4);
                     for (int j = 0; j < 4; j++) {
-                        const __m256i t = j < 2 ? _mm256_slli_epi16(hb, 2 - j) : j > 2 ? _mm256_srli_epi16(hb, j - 2) : hb;
+                        const __m256i t = j < 2   ? _mm256_slli_epi16(hb, 2 - j)
+                                          : j > 2 ? _mm256_srli_epi16(hb, j - 2)
+                                                  : hb;
                         w[j] = _mm256_or_si256(w[j], _mm256_and_si256(t, four));
                     }
                 }

@@ -415,7 +415,7 @@ COMPACT_TYPES = {"Q5_0": (5, 32, False), "Q5_1": (5, 32, True), "Q5_K": (5, 32, 
                  "IQ4_XS": (LUT4, 32, False)}  # fmt: skip
 COMPACT_BYTES = {2: 64, 3: 96, 5: 320, 6: 192, LUT4: 256}  # bytes of one group of 16 rows' codes in each form
 CODE_BITS = {LUT4: 4}  # bits a code takes where the form's number is not that
-COMPACT_ENV = "SELFSPEC_COMPACT_CODES"  # 0: 5- and 6-bit codes take a byte each in the interleaved copy too (A/B)
+COMPACT_ENV = "SELFSPEC_COMPACT_CODES"  # 0: these types' codes take a byte each in the interleaved copy too (A/B)
 _COMPACT = os.environ.get(COMPACT_ENV, "1").strip() != "0"
 
 
@@ -441,8 +441,8 @@ def sub_scales() -> bool:
 
 
 def x16_bits(fmt: str, source: str, group: int, minima: bool) -> int:
-    """The interleaved copy's form of a weight of this form: 4 (q4), 3, 5, 6 or LUT4 (a q8 weight from a GGUF type
-    of ``COMPACT_TYPES``), else 8 (a byte per code)."""
+    """The interleaved copy's form of a weight of this form: 4 (q4), 2, 3, 5, 6 or LUT4 (a q8 weight from a GGUF
+    type of ``COMPACT_TYPES``), else 8 (a byte per code)."""
     if fmt == "q4":
         return 4
     spec = COMPACT_TYPES.get(source) if _COMPACT else None
@@ -807,8 +807,8 @@ def _half_scales(w: QuantWeight, bits: int, sym: bool) -> bool:
 
 
 def _sub_scale_form(w: QuantWeight, bits: int) -> bool:
-    """Whether the interleaved copy of ``w`` may hold its scales as sub-scales (X16_SUB8): a K-quant whose copy's
-    codes take 4-6 bits (not the byte form), rows of whole 256-weight blocks."""
+    """Whether the interleaved copy of ``w`` may hold its scales as sub-scales (X16_SUB8): a K-quant (or IQ4_XS)
+    whose copy's codes take their own width (not the byte form), rows of whole 256-weight blocks."""
     return _SUB_SCALES and w.source in SUB_SCALE_TYPES and bits in (2, 3, 4, 5, 6, LUT4) and w.in_features % 256 == 0
 
 
@@ -857,7 +857,7 @@ def _halves_exact(t: np.ndarray) -> bool:
 def _compact_blocks(code: np.ndarray, bits: int, minima: bool) -> np.ndarray:
     """Row-form codes (int8 ``[blocks, 16, groups, G]``) of a type of ``COMPACT_TYPES`` -> the compact copy's bytes
     ``[blocks, groups, COMPACT_BYTES[bits]]`` (int8_kernels.c's header): the low nibbles as q4 bytes, then (5 and 6
-    bits) the high bits; LUT4: IQ4's indices of the levels."""
+    bits) the high bits; LUT4: IQ4's indices of the levels as nibbles; 2 and 3 bits: :func:`_low_bit_blocks`."""
     shape = (code.shape[0], 16, code.shape[2], -1)
     if bits == LUT4:
         u = _IQ4_INDEX[code.astype(np.int16).reshape(shape) + 128]
