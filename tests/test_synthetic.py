@@ -48,6 +48,7 @@ def test_lower_bit_mixes_load_in_their_types_and_decode_losslessly(tmp_path, mix
     with activations("int8"):
         model = selfspec.load(str(path))
         assert model.hf.model.layers[1].self_attn.q_proj.qweight.form_label == form
+        assert not model.engine.low_bit_drafts  # every layer weight is read at 4 bits or fewer: nothing to requantise
         plain = selfspec.generate(model, "Tell me about the sea.", "vanilla", max_new_tokens=16)
         drafted = selfspec.generate(model, "Tell me about the sea.", "asd", max_new_tokens=16, preset="paper",
                                     draft_length=3)  # fmt: skip

@@ -145,8 +145,13 @@ class FusedStack:
 
     @property
     def has_low_bit(self) -> bool:
-        """Whether a low-bit draft (draft precision ``q4``) reads fewer bytes: some layer weight is 8-bit here."""
-        return any(m.qweight.fmt != "q4" for layer in self.layers for m in layer.linears)
+        """Whether a low-bit draft (draft precision ``q4``) reads fewer bytes: some layer weight is wider here."""
+        return not all(self._four_bits_or_fewer(m) for layer in self.layers for m in layer.linears)
+
+    def _four_bits_or_fewer(self, m: QuantLinear) -> bool:
+        """Whether a product reads its weight at 4 bits a code or fewer (q4; under int8 activations also Q2_K's,
+        Q3_K's and IQ4's interleaved copies): a low-bit draft shares it."""
+        return m.qweight.fmt == "q4" or (self.int8 and m.qweight.x16_code_bits <= 4)
 
     def low_bit_bytes(self) -> tuple[int, int]:
         """Bytes one pass reads of the layers' weights: (the model's own, the low-bit draft's)."""
@@ -155,14 +160,11 @@ class FusedStack:
         return own, low
 
     def _low_bit_linears(self) -> list[tuple[QuantLinear, ...]]:
-        """Each layer's products for low-bit drafts: 8-bit weights requantised to 4 bits (made once, a second or
-        two for a 0.5B model; under int8 activations only their interleaved copy is kept), 4-bit ones shared (under
-        int8 activations also Q3_K's and IQ4's, whose copies hold 4 bits a code)."""
+        """Each layer's products for low-bit drafts: 5-8-bit weights requantised to 4 bits (made once, a second or
+        two for a 0.5B model; under int8 activations only their interleaved copy is kept), those read at 4 bits or
+        fewer shared (:meth:`_four_bits_or_fewer`)."""
         if self._low_linears is None:
-            def shared(m: QuantLinear) -> bool:
-                return m.qweight.fmt == "q4" or (self.int8 and m.qweight.x16_code_bits <= 4)
-
-            self._low_linears = [tuple(m if shared(m) else self._low_bit(m) for m in layer.linears)
+            self._low_linears = [tuple(m if self._four_bits_or_fewer(m) else self._low_bit(m) for m in layer.linears)
                                  for layer in self.layers]  # fmt: skip
         return self._low_linears
 
