@@ -431,7 +431,8 @@ _SUB_SCALES = os.environ.get(SUB_SCALES_ENV, "1").strip() != "0"
 
 
 def compact_codes() -> bool:
-    """Whether 5- and 6-bit codes take their own width in the interleaved copy (default; see COMPACT_ENV)."""
+    """Whether the codes of ``COMPACT_TYPES`` take their own width in the interleaved copy (default; see
+    COMPACT_ENV)."""
     return _COMPACT
 
 
@@ -513,9 +514,9 @@ class QuantWeight:
         return self._released
 
     def release_rows(self) -> bool:
-        """Drop the row form when the interleaved copy holds the weight exactly (q4, compact 5- and 6-bit codes,
-        and 8-bit codes without minima, whose stored minimum -128 * scale would lose bits); returns whether it
-        was dropped."""
+        """Drop the row form when the interleaved copy holds the weight exactly (q4, the compact forms of
+        ``COMPACT_TYPES``, and 8-bit codes without minima, whose stored minimum -128 * scale would lose bits);
+        returns whether it was dropped."""
         packed = self.x16()
         if packed is None or (self.x16_bits == 8 and self._minv is not None):
             return False
@@ -565,8 +566,9 @@ class QuantWeight:
 
     @property
     def step_bytes(self) -> int:
-        """Bytes a product reads: one form of the weight (under int8 activations the interleaved copy, whose 5- and
-        6-bit codes take their own width; else the row form; a symmetric weight's copy has no minima either)."""
+        """Bytes a product reads: one form of the weight (under int8 activations the interleaved copy, whose codes
+        of ``COMPACT_TYPES`` take their own width; else the row form; a symmetric weight's copy has no minima
+        either)."""
         packed = self.__dict__.get("_x16")
         if packed is not None and int8_activations():  # the copy as made (half scales where exact)
             return sum(t.numel() * t.element_size() for t in packed if t is not None)
