@@ -31,8 +31,9 @@ from selfspec.core.quant import (
 )
 from selfspec.errors import SelfspecError
 
-# q4 and q8 forms; Q6_K: groups of 16; Q2_K, Q3_K: codes in groups of 16, with and without minima; IQ4: byte levels
-KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]
+# q4 and q8 forms; Q6_K: groups of 16; Q2_K, Q3_K: codes in groups of 16, with and without minima; IQ4: levels
+# looked up; IQ3_XXS, IQ2_XS: grid values as byte codes (groups of 32 and 16)
+KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q6_K", "Q8_0", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ2_XS"]
 
 
 @pytest.fixture

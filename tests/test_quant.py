@@ -38,7 +38,8 @@ pytestmark = pytest.mark.usefixtures("fp32_activations")
 # byte offsets of the fp16 fields of each block type (random bytes there could be NaN or inf)
 FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
                "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
-               "IQ4_NL": [0], "IQ4_XS": [0], "IQ3_S": [0]}  # fmt: skip
+               "IQ4_NL": [0], "IQ4_XS": [0], "IQ3_S": [0], "IQ3_XXS": [0], "IQ2_XXS": [0], "IQ2_XS": [0],
+               "IQ2_S": [0], "IQ1_S": [0]}  # fmt: skip
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 2e-2) -> np.ndarray:
@@ -177,19 +178,21 @@ def _copy_with_tensor_type(src, dst, tensor: str, kind: str) -> None:
 
 
 def test_unsupported_tensor_type_is_dequantised_with_a_warning(tmp_path):
-    path = tmp_path / "smollm2-iq3s.gguf"
-    _copy_with_tensor_type(_builtin_gguf(BUILTINS["smollm2-135m"]), path, "blk.3.ffn_down.weight", "IQ3_S")
-    with pytest.warns(UserWarning, match=r"IQ3_S \(1 tensors\).*dequantised"):
+    path = tmp_path / "smollm2-iq1s.gguf"
+    _copy_with_tensor_type(_builtin_gguf(BUILTINS["smollm2-135m"]), path, "blk.3.ffn_down.weight", "IQ1_S")
+    with pytest.warns(UserWarning, match=r"IQ1_S \(1 tensors\).*dequantised"):
         model = selfspec.load(str(path))
     down = model.hf.model.layers[3].mlp.down_proj
     assert isinstance(down, torch.nn.Linear) and not isinstance(down, QuantLinear)
     assert selfspec.generate(model, "One two three", "vanilla", max_new_tokens=4).token_ids
 
 
-@pytest.mark.parametrize("kind", ["Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"])
-def test_low_bit_k_and_iq4_tensors_stay_quantised_and_drafts_stay_lossless(kind, tmp_path):
-    """Q2_K, Q3_K, IQ4_XS and IQ4_NL tensors (Q2_K, Q3_K_M, IQ4_XS files) are repacked, not dequantised to
-    float32; under int8 activations (the default) a speculative method keeps vanilla's tokens on such a file."""
+@pytest.mark.parametrize("kind, group", [("Q2_K", 16), ("Q3_K", 16), ("IQ4_XS", 32), ("IQ4_NL", 32), ("IQ3_XXS", 32),
+                                         ("IQ2_XS", 16)])  # fmt: skip
+def test_low_bit_k_and_iq4_tensors_stay_quantised_and_drafts_stay_lossless(kind, group, tmp_path):
+    """Q2_K, Q3_K, IQ4_XS, IQ4_NL and the IQ2 / IQ3 tensors (Q2_K, Q3_K_M, IQ4_XS, IQ3_XXS, IQ2_XS files) are
+    repacked, not dequantised to float32; under int8 activations (the default) a speculative method keeps
+    vanilla's tokens on such a file."""
     path = tmp_path / f"smollm2-{kind}.gguf"
     _copy_with_tensor_type(_builtin_gguf(BUILTINS["smollm2-135m"]), path, "blk.3.ffn_down.weight", kind)
     with warnings.catch_warnings():
@@ -197,7 +200,7 @@ def test_low_bit_k_and_iq4_tensors_stay_quantised_and_drafts_stay_lossless(kind,
         model = selfspec.load(str(path))
     down = model.hf.model.layers[3].mlp.down_proj
     assert isinstance(down, QuantLinear) and down.qweight.source == kind
-    assert down.qweight.group == (32 if kind.startswith("IQ") else 16)
+    assert down.qweight.group == group
     with activations("int8"):
         vanilla = selfspec.generate(model, "One two three four", "vanilla", max_new_tokens=12).token_ids
         drafted = selfspec.generate(model, "One two three four", "static", max_new_tokens=12,

@@ -8,14 +8,15 @@ bit for bit what ``gguf.dequantize`` gives):
 * ``q4``: 4-bit codes, groups of 32, fp32 scale and minimum per group (Q4_0, Q4_1, Q4_K);
 * ``q8``: one byte per code, groups of 16 or 32, fp32 scale and optional minimum per
   group (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K; 2- to 6-bit codes take a byte each;
-  IQ4_NL and IQ4_XS as the byte levels their 4-bit indices pick).
+  IQ4_NL and IQ4_XS as the byte levels their 4-bit indices pick; IQ2_XXS, IQ2_XS, IQ2_S,
+  IQ3_XXS, IQ3_S as their grid values times signs, ``GRID_TYPES``).
 
 Under int8 activations products read an interleaved copy (:func:`pack_x16`, ``int8_kernels.c``) whose codes take
 their own width (Q2_K's 2 bits, Q3_K's 3, Q5's 5, Q6_K's 6; IQ4's 4-bit indices, the levels looked up in the
-kernels).
+kernels); the IQ2 / IQ3 types' copies hold a byte a code.
 
-Other GGUF types (the 1-3-bit IQ types, ...) have no repack yet: the loader
-dequantises those tensors with a warning naming the type.
+Other GGUF types (IQ1_S, IQ1_M, whose values are not integers times a scale, ...) have no
+repack: the loader dequantises those tensors with a warning naming the type.
 
 Products run in ``quant_kernels.c``, compiled once per machine with the system C
 compiler (``-O3 -march=native``) into the cache folder and loaded with ctypes; its
@@ -1043,6 +1044,8 @@ def _repack_rows(kind: str, blocks: np.ndarray,
         return _repack_low_k(kind, blocks, sub)
     if kind in ("IQ4_NL", "IQ4_XS"):
         return _repack_iq4(kind, blocks, sub)
+    if kind in GRID_TYPES:
+        return _repack_grid(kind, blocks)
     raise KeyError(kind)
 
 
@@ -1097,7 +1100,46 @@ def _repack_low_k(kind: str, blocks: np.ndarray, sub: tuple | None) -> tuple[str
     return "q8", 16, q.astype(np.int8), scale, None
 
 
-REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+# IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: each weight is d * s * (a grid value times a sign), s a small multiplier
+# stored per group of 32 (IQ2_XS, IQ2_S: 16) weights, the grid's values small integers (IQ2: 8, 25, 43; IQ3: up to
+# 62); type -> that group.  Held exactly as byte codes (grid value times sign) with fp32 scales d * s.
+GRID_TYPES = {"IQ2_XXS": 32, "IQ2_XS": 16, "IQ2_S": 16, "IQ3_XXS": 32, "IQ3_S": 32}
+
+
+def _grid_multipliers(kind: str, blocks: np.ndarray) -> np.ndarray:
+    """s of each group of a grid type's 256-weight blocks (the scale over d: fp32 ``[blocks, groups]``, exact), read
+    from the fields as llama.cpp lays them out (after d: the codes, then the type's signs and scale bits)."""
+    nb = len(blocks)
+    if kind in ("IQ2_XXS", "IQ3_XXS"):  # a u32 per 32 weights whose top 4 bits are the scale
+        words = blocks[:, 2:].copy().view(np.uint32).reshape(nb, -1)
+        top = words[:, 1::2] if kind == "IQ2_XXS" else words[:, -8:]  # IQ2_XXS: pairs (grid, signs + scale)
+        return (np.float32(0.5) + (top >> 28).astype(np.float32)) * np.float32(0.25 if kind == "IQ2_XXS" else 0.5)
+    tail = 4 if kind == "IQ3_S" else 8  # the scales' nibbles end the block: one per 32 (IQ3_S) or 16 weights
+    nibbles = (blocks[:, -tail:].reshape(nb, tail, 1) >> np.array([0, 4], dtype=np.uint8)).reshape(nb, 2 * tail) & 15
+    if kind == "IQ3_S":
+        return (1 + 2 * nibbles).astype(np.float32)
+    return (np.float32(0.5) + nibbles.astype(np.float32)) * np.float32(0.25)
+
+
+def _repack_grid(kind: str, blocks: np.ndarray) -> tuple[str, int, np.ndarray, np.ndarray, None]:
+    """A grid type's blocks as byte codes and fp32 scales per group (``GRID_TYPES``), exactly: the codes are gguf's
+    own decoding of the blocks with d = 1, divided by each group's multiplier s (both small integers times
+    powers of two: every product and quotient exact in fp32), the scales d * s."""
+    import gguf
+
+    nb, group = len(blocks), GRID_TYPES[kind]
+    unit = blocks.copy()
+    unit[:, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)  # d = 1
+    s = _grid_multipliers(kind, blocks)
+    values = gguf.dequantize(unit, gguf.GGMLQuantizationType[kind]).reshape(nb, -1, group)
+    codes = values / s[:, :, None]
+    if not np.array_equal(codes, np.round(codes)) or np.abs(codes).max(initial=0) > 127:
+        raise SelfspecError(f"{kind} blocks whose values are not small integers times their scales")
+    return "q8", group, codes.astype(np.int8).reshape(nb, -1), _f16(blocks[:, :2]) * s, None
+
+
+REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS",
+                  *GRID_TYPES)  # fmt: skip
 
 
 CHUNK_BYTES = 8 << 20  # raw GGUF bytes repacked at a time (keeps the load's transient memory small)
