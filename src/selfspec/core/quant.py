@@ -987,6 +987,14 @@ def k_sub_scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None
     return None
 
 
+def _sub_products(sub: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+    """The fp32 scales and minima (None without) of :func:`k_sub_scales`' stored form: half * byte, negated half *
+    byte, exactly (at most 11 + 8 significant bits)."""
+    sc, d, m, neg_dmin = sub
+    scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+    return scale, None if m is None else neg_dmin.astype(np.float32)[:, None] * m.astype(np.float32)
+
+
 def _per_row(sub: tuple[np.ndarray | None, ...] | None, rows: int) -> tuple[np.ndarray | None, ...] | None:
     """:func:`k_sub_scales` of ``rows`` whole rows of blocks, per row: ([rows, groups], [rows, K/256], ...); None
     without sub-scales (another type, or SUB_SCALES_ENV off)."""
@@ -1020,9 +1028,7 @@ def _repack_rows(kind: str, blocks: np.ndarray,
             return "q8", 32, (q.astype(np.int16) - 16).astype(np.int8), d, None
         return "q8", 32, q.astype(np.int8), d, _f16(blocks[:, 2:4])
     if kind in ("Q4_K", "Q5_K"):
-        sc, d, m, neg_dmin = sub
-        scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
-        minv = neg_dmin.astype(np.float32)[:, None] * m.astype(np.float32)  # -(dmin * m), exactly
+        scale, minv = _sub_products(sub)
         qs = blocks[:, -128:].reshape(nb, 4, 1, 32)
         q = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(nb, 8, 32)
         if kind == "Q4_K":
@@ -1032,14 +1038,12 @@ def _repack_rows(kind: str, blocks: np.ndarray,
         return "q8", 32, q.astype(np.int8).reshape(nb, 256), scale, minv
     if kind == "Q6_K":
         ql, qh = blocks[:, :128], blocks[:, 128:192]
-        sc, d, _, _ = sub
-        sc, d = sc.astype(np.float32), d.astype(np.float32)[:, None]
         lo = ((ql.reshape(nb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(
             nb, 2, 4, 32
         )
         hi = ((qh.reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3)
         q = (lo | (hi << 4)).astype(np.int16) - 32
-        return "q8", 16, q.astype(np.int8).reshape(nb, 256), d * sc, None
+        return "q8", 16, q.astype(np.int8).reshape(nb, 256), _sub_products(sub)[0], None
     if kind in ("Q2_K", "Q3_K"):
         return _repack_low_k(kind, blocks, sub)
     if kind in ("IQ4_NL", "IQ4_XS"):
@@ -1065,9 +1069,8 @@ def _repack_iq4(kind: str, blocks: np.ndarray, sub: tuple | None) -> tuple[str, 
     nb = blocks.shape[0]
     if kind == "IQ4_NL":
         return "q8", 32, IQ4_LEVELS[_low_high(blocks[:, 2:18])], _f16(blocks[:, :2]), None
-    sc, d, _, _ = sub
     idx = _low_high(blocks[:, 8:].reshape(nb, 8, 16)).reshape(nb, 256)
-    return "q8", 32, IQ4_LEVELS[idx], d.astype(np.float32)[:, None] * sc.astype(np.float32), None
+    return "q8", 32, IQ4_LEVELS[idx], _sub_products(sub)[0], None
 
 
 def _two_bit_fields(qs: np.ndarray) -> np.ndarray:
@@ -1088,13 +1091,9 @@ def _repack_low_k(kind: str, blocks: np.ndarray, sub: tuple | None) -> tuple[str
     the sub-scales (and Q2_K's minima) as stored: 3.6 (Q3_K) and 3.1 (Q2_K) bits a weight where the file holds
     3.4 and 2.6."""
     nb = blocks.shape[0]
+    scale, minv = _sub_products(sub)
     if kind == "Q2_K":
-        sc, d, m, neg_dmin = sub
-        minv = neg_dmin.astype(np.float32)[:, None] * m.astype(np.float32)  # -(dmin * m), exactly
-        scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
         return "q8", 16, _two_bit_fields(blocks[:, 16:80]).astype(np.int8), scale, minv
-    sc, d, _, _ = sub
-    scale = d.astype(np.float32)[:, None] * sc.astype(np.float32)
     third = ((blocks[:, :32].reshape(nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(nb, 256)
     q = _two_bit_fields(blocks[:, 32:96]).astype(np.int16) - 4 * (1 - third.astype(np.int16))
     return "q8", 16, q.astype(np.int8), scale, None
