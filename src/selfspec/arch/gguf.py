@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..core.heap import HeapTrimmer
 from ..core.quant import (
     MappedTable,
     QuantEmbedding,
@@ -48,6 +49,7 @@ from ..core.quant import (
 )
 from ..errors import SelfspecError, UnsupportedModelError
 from ..io import atomic_dir
+from . import tokenizers
 from .adapters import SUPPORTED_MODEL_TYPES
 
 
@@ -211,7 +213,7 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
         raise UnsupportedModelError(f"GGUF file {path.name} holds architecture '{config.model_type}'; supported: "
                                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
     scale_rope(config, rope_scaling(rope, path))
-    tokenizer = AutoTokenizer.from_pretrained(where)
+    tokenizer = tokenizers.slim(AutoTokenizer.from_pretrained(where))
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config.to_dict())
@@ -224,12 +226,14 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     pack_layers = int8_activations() and prefill_kernel() == "rows"
     summary: dict[str, Any] = {"kept": {}, "dequantized": {}}
     quantised: dict[str, QuantWeight | MappedTable] = {}
+    trim = HeapTrimmer(64 << 20)  # the repacks' freed temporaries given back as the load goes (else 30-60 MB)
     with path.open("rb") as f:
         freq_factors = _rope_freqs(f, tensors)
         for name, kind, shape, offset, nbytes in tensors:
             hf_name = name_map.get(name)
             if hf_name is None:
                 continue
+            trim(nbytes)
             module_path, attr = hf_name.rsplit(".", 1)
             module = hf.get_submodule(module_path)
             qw = None

@@ -1141,7 +1141,8 @@ REPACKED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"
                   *GRID_TYPES)  # fmt: skip
 
 
-CHUNK_BYTES = 8 << 20  # raw GGUF bytes repacked at a time (keeps the load's transient memory small)
+CHUNK_BYTES = 8 << 20  # raw GGUF bytes repacked at a time (keeps the load's transient memory small) ...
+CHUNK_WEIGHTS = 1 << 21  # ... and weights: a repack's temporaries take a few bytes a weight (8 MB of Q2_K: 25M)
 
 
 def repackable(kind: str, in_features: int) -> bool:
@@ -1167,7 +1168,7 @@ def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: b
     codes = scale = minv = None
     fmt = ""
     group = 0
-    step = max(1, CHUNK_BYTES // row_bytes)
+    step = max(1, min(CHUNK_BYTES // row_bytes, CHUNK_WEIGHTS // in_features))
     if packed and n % 16 == 0:
         qw = _packed_from_gguf(kind, lambda r0, rows: read(r0, rows).reshape(-1, size), n, in_features,
                                max(16, step // 16 * 16))  # fmt: skip

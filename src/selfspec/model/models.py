@@ -16,7 +16,6 @@ carry the weights (DESIGN.md section 5); run ``selfspec models`` to see them, an
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -34,8 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..arch import tokenizers
 from ..arch.adapters import LlamaAdapter, adapter_for
 from ..core import native_tuning
+from ..core.heap import return_free_heap
 from ..core.kernel_plan import KernelReport, choose_plan, torch_only
 from ..errors import InvalidInputError, ModelNotFoundError, SelfspecError
 from ..io import atomic_dir, cache_dir
@@ -153,6 +154,7 @@ class Model:
         self.adapter.set_kernel_plan(self.kernel_report.plan())
         self._timing_cache = None
         self.native_tuning = native_tuning.tune_model(self, force=force)  # the native kernels' variants, timed here
+        return_free_heap()  # the timing passes' logits and caches (a 152k vocabulary: 20-30 MB left resident else)
         return self.kernel_report
 
     @torch.inference_mode()
@@ -163,7 +165,8 @@ class Model:
         self.adapter.set_kernel_plan(plan, release=False)  # copies of the other candidates stay until chosen
         if getattr(self, "_timing_cache", None) is None or self._timing_cache.capacity < context + rows:
             self._timing_cache = engine.new_cache(context + 64)
-            engine.forward(self._timing_cache, torch.arange(context, device=engine.device) % self.adapter.vocab_size, 0)
+            context_ids = torch.arange(context, device=engine.device) % self.adapter.vocab_size
+            engine.forward(self._timing_cache, context_ids, 0, last_only=True)
             self._timing_cache.commit(context)
         ids = (torch.arange(rows, device=engine.device) + 3) % self.adapter.vocab_size
         precision = None if dtype == self.adapter.dtype else dtype
@@ -266,11 +269,9 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
         path = gguf_file()
         hf, tokenizer, summary = load_quantized(path, _cache_dir() / "gguf-meta" / key)
         kinds = ",".join(sorted(summary["kept"]))
-        _return_free_heap()  # (before the engine's own copies are made, and after)
-        model = Model(name=name, hf=hf, tokenizer=tokenizer, source=source, kernels=kernels,
-                      quantization=f"gguf:{kinds}" if kinds else "none", from_gguf=True)  # fmt: skip
-        _return_free_heap()
-        return model
+        return_free_heap()  # (before the engine's own copies are made; Model trims after them)
+        return Model(name=name, hf=hf, tokenizer=tokenizer, source=source, kernels=kernels,
+                     quantization=f"gguf:{kinds}" if kinds else "none", from_gguf=True)  # fmt: skip
     if hf_dir is None:
         hf_dir = _converted_checkpoint(key, gguf_file)
     if quantize in ("int8", "int4"):
@@ -284,18 +285,6 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
         quantization = quantize
     return Model(name=name, hf=hf.to(dev), tokenizer=tokenizer, source=source, kernels=kernels,
                  quantization=quantization, from_gguf=gguf_file is not None)  # fmt: skip
-
-
-def _return_free_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing): the load's
-    temporaries (a GGUF's tensors repacked a few MB at a time, the draft vocabulary's copy) leave freed pages
-    behind that would stay resident (a 1.5B model: about 60 MB)."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(ctypes.c_size_t(0))
 
 
 def _resolve(name: str):
@@ -578,7 +567,7 @@ def _from_pretrained(where: Path | str, dtype: torch.dtype, name: str):
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where)
+        tokenizer = tokenizers.slim(AutoTokenizer.from_pretrained(where))
         hf = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError, RuntimeError) as exc:
         raise SelfspecError(f"could not load model '{name}': {str(exc).splitlines()[0][:300]}") from None

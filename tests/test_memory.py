@@ -1,0 +1,62 @@
+"""What a loaded model keeps in memory beside its weights: the tokenizer's build sources dropped, the heap's
+freed pages given back (core/heap.py, arch/tokenizers.py)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import char_tokenizer
+from transformers import AutoTokenizer
+
+from selfspec.arch import tokenizers
+from selfspec.core import heap
+
+TEXTS = ["Hello there!", "def f(x):\n    return x ** 2  # square", "naïve café — 東京 🙂", "  leading spaces\t\ttabs"]
+
+
+@pytest.mark.parametrize(("fixture", "sources"), [("gemma3", True), ("smollm2", False)])
+def test_a_loaded_tokenizer_drops_its_build_sources_and_tokenizes_the_same(fixture, sources, request):
+    """A loaded model's tokenizer holds no Python copy of its vocabulary or merges (transformers' ``_vocab`` /
+    ``_merges`` of Gemma's and Qwen2's tokenizer classes: 30-90 MB on 152k-262k vocabularies; SmolLM2's
+    generic class keeps none) and encodes, decodes and applies its chat template exactly as the same tokenizer
+    loaded afresh, which keeps them."""
+    model = request.getfixturevalue(fixture)
+    tok = model.tokenizer
+    fresh = AutoTokenizer.from_pretrained(tok.name_or_path)
+    kept = len(getattr(fresh, "_vocab", None) or []) + len(getattr(fresh, "_merges", None) or [])
+    assert (kept > 100_000) == sources  # what there is to drop
+    assert not getattr(tok, "_vocab", None) and not getattr(tok, "_merges", None)
+    assert len(tok) == len(fresh) and tok.get_vocab() == fresh.get_vocab()
+    for text in TEXTS:
+        ids = tok(text).input_ids
+        assert ids == fresh(text).input_ids
+        assert tok.decode(ids) == fresh.decode(ids)
+    if tok.chat_template:
+        chat = [{"role": "user", "content": TEXTS[2]}]
+        assert tok.apply_chat_template(chat, tokenize=False) == fresh.apply_chat_template(chat, tokenize=False)
+
+
+def test_slim_leaves_other_tokenizers_alone():
+    """A tokenizer without those attributes (or a slow one, which reads its tables) is returned as it is."""
+    tok = char_tokenizer()
+    before = tok("abc").input_ids
+    assert tokenizers.slim(tok) is tok
+    assert tok("abc").input_ids == before
+
+
+def test_heap_trimmer_trims_once_per_budget(monkeypatch):
+    calls = []
+    monkeypatch.setattr(heap, "return_free_heap", lambda: calls.append(1))
+    trim = heap.HeapTrimmer(100)
+    for n in (30, 30, 30):
+        trim(n)
+    assert calls == []
+    trim(30)  # 120 >= 100: trimmed, count restarts
+    assert calls == [1]
+    trim(99)
+    assert calls == [1]
+    trim(1)
+    assert calls == [1, 1]
+
+
+def test_return_free_heap_runs_anywhere():
+    heap.return_free_heap()  # glibc's malloc_trim, or nothing where the C library has none
