@@ -14,7 +14,7 @@ TEXTS = ["Hello there!", "def f(x):\n    return x ** 2  # square", "naïve café
 
 
 @pytest.mark.parametrize(("fixture", "sources"), [("gemma3", True), ("smollm2", False)])
-def test_a_loaded_tokenizer_drops_its_build_sources_and_tokenizes_the_same(fixture, sources, request):
+def test_a_loaded_tokenizer_drops_its_build_sources_and_tokenizes_the_same(fixture, sources, request, tmp_path):
     """A loaded model's tokenizer holds no Python copy of its vocabulary or merges (transformers' ``_vocab`` /
     ``_merges`` of Gemma's and Qwen2's tokenizer classes: 30-90 MB on 152k-262k vocabularies; SmolLM2's
     generic class keeps none) and encodes, decodes and applies its chat template exactly as the same tokenizer
@@ -33,6 +33,9 @@ def test_a_loaded_tokenizer_drops_its_build_sources_and_tokenizes_the_same(fixtu
     if tok.chat_template:
         chat = [{"role": "user", "content": TEXTS[2]}]
         assert tok.apply_chat_template(chat, tokenize=False) == fresh.apply_chat_template(chat, tokenize=False)
+    tok.save_pretrained(tmp_path)  # saved from the Rust tokenizer: a whole tokenizer again
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert [again(t).input_ids for t in TEXTS] == [fresh(t).input_ids for t in TEXTS]
 
 
 def test_slim_leaves_other_tokenizers_alone():
