@@ -23,7 +23,6 @@ def test_a_loaded_tokenizer_drops_its_build_sources_and_tokenizes_the_same(fixtu
     tok = model.tokenizer
     fresh = AutoTokenizer.from_pretrained(tok.name_or_path)
     kept = len(getattr(fresh, "_vocab", None) or []) + len(getattr(fresh, "_merges", None) or [])
-    assert (kept > 100_000) == sources  # what there is to drop
     assert not getattr(tok, "_vocab", None) and not getattr(tok, "_merges", None)
     assert len(tok) == len(fresh) and tok.get_vocab() == fresh.get_vocab()
     for text in TEXTS:
@@ -36,6 +35,8 @@ def test_a_loaded_tokenizer_drops_its_build_sources_and_tokenizes_the_same(fixtu
     tok.save_pretrained(tmp_path)  # saved from the Rust tokenizer: a whole tokenizer again
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert [again(t).input_ids for t in TEXTS] == [fresh(t).input_ids for t in TEXTS]
+    if sources and kept < 100_000:  # (transformers 5.24 keeps 777k objects for Gemma 3)
+        pytest.skip("this transformers keeps no Python copy of the vocabulary: nothing was dropped")
 
 
 def test_slim_leaves_other_tokenizers_alone():
