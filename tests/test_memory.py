@@ -3,6 +3,8 @@ freed pages given back (core/heap.py, arch/tokenizers.py)."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 from conftest import char_tokenizer
 from transformers import AutoTokenizer
@@ -62,5 +64,20 @@ def test_heap_trimmer_trims_once_per_budget(monkeypatch):
     assert calls == [1, 1]
 
 
-def test_return_free_heap_runs_anywhere():
-    heap.return_free_heap()  # glibc's malloc_trim, or nothing where the C library has none
+@pytest.mark.parametrize("error", [None, OSError, AttributeError, TypeError])
+def test_return_free_heap_runs_anywhere(error, monkeypatch):
+    """glibc's malloc_trim where there is one; nothing where the C library has none (macOS, musl) or the
+    process cannot be opened as a library (Windows)."""
+    if error is not None:
+        def refuse(*args, **kwargs):
+            raise error("no malloc_trim here")
+
+        monkeypatch.setattr(heap.ctypes, "CDLL", refuse)
+    heap._malloc_trim.cache_clear()
+    try:
+        glibc = error is None and platform.libc_ver()[0] == "glibc"
+        assert (heap._malloc_trim() is not None) == glibc
+        heap.return_free_heap()
+    finally:
+        monkeypatch.undo()
+        heap._malloc_trim.cache_clear()

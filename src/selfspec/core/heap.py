@@ -17,7 +17,7 @@ import functools
 def _malloc_trim():
     try:
         return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (no such symbol; Windows cannot open the process itself)
         return None
 
 
