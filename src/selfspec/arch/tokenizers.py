@@ -19,11 +19,9 @@ def slim(tokenizer: Any) -> Any:
     which holds both), their memory returned; the same object, for chaining."""
     if getattr(tokenizer, "_tokenizer", None) is None:  # a slow (Python) tokenizer reads its own tables
         return tokenizer
-    dropped = False
-    for name in _BUILD_SOURCES:
-        if isinstance(getattr(tokenizer, name, None), (dict, list)):
-            setattr(tokenizer, name, type(getattr(tokenizer, name))())
-            dropped = True
-    if dropped:
+    kept = [name for name in _BUILD_SOURCES if isinstance(getattr(tokenizer, name, None), (dict, list))]
+    for name in kept:
+        setattr(tokenizer, name, type(getattr(tokenizer, name))())  # empty, of the type the class expects
+    if kept:
         return_free_heap()
     return tokenizer
