@@ -152,8 +152,9 @@ def test_seeded_sampling_is_vanilla_samplings_tokens(server, smollm2):
         ({"messages": CHAT, "temperature": 3}, 400, "temperature"),
         ({"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
         ({"messages": CHAT, "max_tokens": 100000}, 400, "at most 512"),
-        ({"messages": CHAT, "n": 2}, 400, "n=1"),
-        ({"messages": CHAT, "logprobs": True}, 400, "not supported"),
+        ({"messages": CHAT, "n": 9}, 400, "n"),
+        ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"messages": CHAT, "top_logprobs": 2}, 400, "needs logprobs=true"),
         ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "not supported"),
         ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "not supported"),
         ({"messages": CHAT, "colour": "blue"}, 400, "unknown field"),
@@ -189,8 +190,77 @@ def test_a_client_sending_every_default_gets_the_plain_answer(server):
                        json.dumps({"prompt": "Hello", "max_tokens": 4, "logprobs": None, "echo": False,
                                    "best_of": 1, "suffix": None}).encode())  # fmt: skip
     assert code == 200, reply
+    assert reply["choices"][0]["logprobs"] is None
     code, reply = post(f"{server.url}/v1/completions", json.dumps({"prompt": "Hello", "logprobs": 0}).encode())
-    assert code == 400 and "logprobs" in reply["error"]["message"], "logprobs 0 asks for the chosen tokens' ones"
+    assert code == 200, reply
+    logprobs = reply["choices"][0]["logprobs"]  # 0 asks for the chosen tokens' own
+    assert logprobs["tokens"] and len(logprobs["token_logprobs"]) == len(logprobs["tokens"])
+    assert logprobs["top_logprobs"] is None
+
+
+def test_chat_logprobs_are_the_models_own_and_spell_the_answer(server, smollm2):
+    """``logprobs`` / ``top_logprobs``: per token of the answer, the figures `selfspec.generate` reports (vanilla's
+    own, tests/test_logprobs.py), whatever method the server runs; the tokens' bytes spell the answer."""
+    client = server.client()
+    vanilla = selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=30, logprobs=3)
+    for method in ("auto", "pld"):
+        out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=30, temperature=0, logprobs=True,
+                                             top_logprobs=3, extra_body={"selfspec": {"method": method}})  # fmt: skip
+        choice = out.choices[0]
+        assert choice.message.content == vanilla.text
+        content = choice.logprobs.content
+        want = [e for e in vanilla.logprobs if e.token not in smollm2.eos_token_ids]
+        assert [c.logprob for c in content] == [e.logprob for e in want]
+        assert [[t.logprob for t in c.top_logprobs] for c in content] == [[lp for _, lp in e.top] for e in want]
+        assert bytes(b for c in content for b in c.bytes).decode() == vanilla.text
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None, "none unless asked for"
+
+
+def test_completion_logprobs_stop_with_the_text_and_stream_alike(server, smollm2):
+    """Legacy completions' form: tokens, token_logprobs, top_logprobs, text_offset; a stop string cuts the
+    tokens with the text; streamed chunks carry the same entries as the plain reply."""
+    client = server.client()
+    prompt = "The capital of France is"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=2)
+    lp = full.choices[0].logprobs
+    text = full.choices[0].text
+    assert "".join(lp.tokens) == text and lp.text_offset[0] == 0
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    tops = lp.top_logprobs
+    assert all(len(top) <= 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-6 for i, top in enumerate(tops))
+    stop = text[6:9]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=2, stop=[stop])
+    kept = cut.choices[0].logprobs
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert all(at < len(cut.choices[0].text) for at in kept.text_offset), "no token after the stop string"
+    assert kept.token_logprobs == lp.token_logprobs[: len(kept.token_logprobs)] and kept.tokens
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=2,
+                                            stream=True))  # fmt: skip
+    streamed = [x for c in chunks for x in (c.choices[0].logprobs.token_logprobs if c.choices[0].logprobs else [])]
+    assert streamed == lp.token_logprobs
+
+
+def test_n_choices_are_the_seeds_one_after_another(server, smollm2):
+    """``n``: choice i of a seeded request samples with seed + i (choice 0 is the request's answer with n=1);
+    greedy, every choice is the same answer; streamed, the chunks of each index spell its choice."""
+    client = server.client()
+    kw = {"model": MODEL, "messages": CHAT, "max_tokens": 20, "temperature": 0.9, "seed": 5}
+    out = client.chat.completions.create(**kw, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for c in out.choices:
+        want = selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=20, temperature=0.9, seed=5 + c.index)
+        assert c.message.content == want.text
+    assert out.usage.completion_tokens == sum(
+        len(selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=20, temperature=0.9, seed=5 + i).token_ids)
+        for i in range(3))  # fmt: skip
+    greedy = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    chunks = list(client.chat.completions.create(**kw, n=2, stream=True))
+    for i in range(2):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == out.choices[i].message.content
+        assert sum(1 for c in chunks if c.choices and c.choices[0].index == i and c.choices[0].finish_reason) == 1
 
 
 def _stream_and_hang_up(url: str, max_tokens: int) -> None:
@@ -355,17 +425,21 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(smollm2):
         jobs = [(prompts[0], "vanilla", 40, {}), (prompts[1], "pld", 56, {}), (prompts[2], "asd", 24, {}),
                 (prompts[3], "auto", 48, {"temperature": 0.8, "top_p": 0.95, "seed": 5}),
                 (prompts[1], "swift", 32, {})]  # fmt: skip
-        alone = [selfspec.generate(smollm2, [{"role": "user", "content": p}], "vanilla", max_new_tokens=n,
-                                   **kw).text for p, _, n, kw in jobs]  # fmt: skip
+        results = [selfspec.generate(smollm2, [{"role": "user", "content": p}], "vanilla", max_new_tokens=n,
+                                     logprobs=2, **kw) for p, _, n, kw in jobs]  # fmt: skip
+        alone = [r.text for r in results]
         client = srv.client(max_retries=0)
         got: dict[int, str] = {}
+        figures: dict[int, list[float]] = {}
 
         def one(i: int) -> None:
             p, method, n, kw = jobs[i]
             out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=n,
                                                  temperature=kw.get("temperature", 0), top_p=kw.get("top_p", 1.0),
-                                                 seed=kw.get("seed"), extra_body={"selfspec": {"method": method}})
+                                                 seed=kw.get("seed"), extra_body={"selfspec": {"method": method}},
+                                                 logprobs=True, top_logprobs=2)  # fmt: skip
             got[i] = out.choices[0].message.content
+            figures[i] = [t.logprob for c in out.choices[0].logprobs.content for t in (c, *c.top_logprobs)]
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
         threads.append(threading.Thread(target=_stream_and_hang_up, args=(srv.url, 400)))
@@ -374,6 +448,10 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(smollm2):
         for t in threads:
             t.join(300)
         assert got == dict(enumerate(alone)), "each request's answer is its answer alone"
+        for i, r in enumerate(results):  # and its tokens' log-probabilities (float32 rounding at most)
+            kept = [e for e in r.logprobs if e.token not in smollm2.eos_token_ids]
+            want = [x for e in kept for x in (e.logprob, *(lp for _, lp in e.top))]
+            assert figures[i] == pytest.approx(want, abs=1e-4)
         deadline = time.time() + 30
         while get(f"{srv.url}/health")["queue"] and time.time() < deadline:
             time.sleep(0.2)

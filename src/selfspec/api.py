@@ -28,6 +28,7 @@ from .core.prefix_store import DEFAULT_MB, PrefixStore
 from .core.sampling import SamplingParams
 from .cost.costs import prepare_costs
 from .decoding.batch import StepBatcher
+from .decoding.logprobs import TokenLogprob
 from .decoding.loop import Decoder, GenerationStats
 from .methods import build_policies
 from .model.models import Model, load
@@ -40,6 +41,7 @@ class GenerationResult:
     text: str
     token_ids: tuple[int, ...]
     stats: GenerationStats
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per new token, when asked for (decoding/logprobs.py)
 
 
 class Session:
@@ -73,7 +75,8 @@ class Session:
     def last_stats(self) -> GenerationStats | None:
         return self.last_result.stats if self.last_result else None
 
-    def _decoder(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingParams) -> Decoder:
+    def _decoder(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingParams,
+                 logprobs: int | None = None) -> Decoder:  # fmt: skip
         ids = list(prompt) if _token_ids(prompt) else self.model.encode(prompt)
         return Decoder(
             self.model,
@@ -85,6 +88,7 @@ class Session:
             sampling=sampling,
             prefix_store=self.prefix_store if self.prefix_store.enabled else None,
             batcher=self.batcher,
+            logprobs=logprobs,
         )
 
     def generate(
@@ -99,15 +103,18 @@ class Session:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         sampling_scheme: str = "coupled",
+        logprobs: int | None = None,
     ) -> GenerationResult:
         """Greedy with ``temperature`` 0 (default); else sampled.  With the default ``sampling_scheme``
         ("coupled") a ``seed`` gives exactly the tokens vanilla sampling gives with that seed, for every
         method; "rejection" is classic speculative sampling (exact in distribution; a seed reproduces a run
-        only where draft lengths do not follow measured times)."""
+        only where draft lengths do not follow measured times).  ``logprobs`` (0-20): the result also holds
+        each new token's log-probability under the model and that many most likely alternatives."""
         params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme)
-        decoder = self._decoder(prompt, max_new_tokens, params)
+        decoder = self._decoder(prompt, max_new_tokens, params, logprobs)
         ids = [t for new in decoder for t in new]
-        self.last_result = GenerationResult(self.model.decode(ids), tuple(ids), decoder.stats)
+        self.last_result = GenerationResult(self.model.decode(ids), tuple(ids), decoder.stats,
+                                            _tuple(decoder.logprobs))  # fmt: skip
         return self.last_result
 
     def stream(
@@ -122,18 +129,22 @@ class Session:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         sampling_scheme: str = "coupled",
+        logprobs: int | None = None,
     ) -> Iterator[str]:
-        """Yield text pieces as tokens are accepted; ``last_result`` is set at the end."""
+        """Yield text pieces as tokens are accepted; ``last_result`` is set at the end (with ``logprobs``, the
+        tokens' log-probabilities)."""
         params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme)
-        for piece in self.pieces(prompt, max_new_tokens=max_new_tokens, sampling=params):
+        for piece in self.pieces(prompt, max_new_tokens=max_new_tokens, sampling=params, logprobs=logprobs):
             yield piece.text
 
     def pieces(self, prompt: Prompt, *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-               ) -> Iterator[Piece]:  # fmt: skip
+               logprobs: int | None = None) -> Iterator[Piece]:  # fmt: skip
         """Per round of decoding, the new text with how many tokens it holds and how many of those came from
-        the draft (a server marks them); ``last_result`` is set at the end.  Closing the iterator stops the
-        generation after the current round (``last_result`` is then None)."""
-        decoder = self._decoder(prompt, max_new_tokens, sampling or SamplingParams())
+        the draft (a server marks them), and with ``logprobs`` those tokens' log-probabilities; ``last_result``
+        is set at the end.  Closing the iterator stops the generation after the current round (``last_result``
+        is then None)."""
+        decoder = self._decoder(prompt, max_new_tokens, sampling or SamplingParams(), logprobs)
+        told = 0  # tokens whose log-probabilities went out with a piece
         self.last_result = None  # set only when the generation runs to its end
         ids: list[int] = []
         shown, tokens, drafted, first = "", 0, 0, True
@@ -148,18 +159,19 @@ class Session:
                 if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
                     continue
                 if len(text) > len(shown) and text.startswith(shown):
-                    yield Piece(text[len(shown) :], tokens, drafted)
+                    yield Piece(text[len(shown) :], tokens, drafted, _since(decoder.logprobs, told))
                     tokens = drafted = 0
+                    told = len(ids)
                 shown = text
         finally:  # a consumer that stops early closes the decoder now, so the method saves its state
             rounds.close()
         final = self.model.decode(ids)
-        self.last_result = GenerationResult(final, tuple(ids), decoder.stats)
+        self.last_result = GenerationResult(final, tuple(ids), decoder.stats, _tuple(decoder.logprobs))
         # the last tokens even where they add no text (an end-of-sequence token): the pieces' counts sum to the
         # generation's tokens whatever rounds they came in (a server's usage is the same for every method)
         tail = final[len(shown) :] if final.startswith(shown) else ""
         if tail or tokens:
-            yield Piece(tail, tokens, drafted)
+            yield Piece(tail, tokens, drafted, _since(decoder.logprobs, told))
 
 
 @dataclass(frozen=True)
@@ -167,13 +179,22 @@ class Piece:
     text: str
     tokens: int  # new tokens behind this text
     drafted: int  # of which accepted from the draft
+    logprobs: tuple[TokenLogprob, ...] = ()  # of those tokens, when asked for
+
+
+def _tuple(logprobs: list[TokenLogprob] | None) -> tuple[TokenLogprob, ...] | None:
+    return None if logprobs is None else tuple(logprobs)
+
+
+def _since(logprobs: list[TokenLogprob] | None, start: int) -> tuple[TokenLogprob, ...]:
+    return () if logprobs is None else tuple(logprobs[start:])
 
 
 def _token_ids(prompt: Prompt) -> bool:
     return not isinstance(prompt, str) and len(prompt) > 0 and all(isinstance(t, int) for t in prompt)
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme", "logprobs")
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -186,7 +207,8 @@ def generate(
 ) -> GenerationResult:
     """Generate with ``method`` (see ``selfspec.METHODS``); the keywords of :meth:`Session.generate`
     (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``sampling_scheme``)
-    choose sampling (default greedy); every other keyword is an option of the method."""
+    choose sampling (default greedy), ``logprobs`` asks for the tokens' log-probabilities; every other keyword
+    is an option of the method."""
     method_options, sampling = _split(dict(options))
     session = Session(model, method, prefix_cache=0, **method_options)  # one call: nothing to reuse later
     return session.generate(prompt, max_new_tokens=max_new_tokens, **sampling)

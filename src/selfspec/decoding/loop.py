@@ -42,6 +42,7 @@ from ..model.engine import BatchItem, SublayerCosine
 from ..model.models import Model
 from .acceptance import accept_greedy, accept_sampling
 from .batch import StepBatcher
+from .logprobs import TokenLogprob, check_top, token_logprobs
 from .protocols import Drafter, DraftOutcome, RoundContext, SkipPolicy
 from .stats import GenerationStats
 from .trees import DraftTree
@@ -210,8 +211,12 @@ class Decoder:
         sampling: SamplingParams = GREEDY,
         prefix_store: PrefixStore | None = None,
         batcher: StepBatcher | None = None,
+        logprobs: int | None = None,
     ) -> None:
         check_lengths(model, len(prompt_ids), max_new_tokens)
+        # ``logprobs``: record each new token's log-probability and that many alternatives (decoding/logprobs.py)
+        self._top = check_top(logprobs)
+        self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
         if skip_policy is not None and draft_policy is None:
             raise ValueError("a skip policy needs a drafter")
         self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
@@ -255,6 +260,7 @@ class Decoder:
         cache, N, eos = pf.cache, self.max_new_tokens, self.model.eos_token_ids
         prefill_time = clock.now() - t_start
         out, tally = [token], _Tally()
+        self._record(pf.last_logits[None], [token])
         skip = self._bind(pf.cosine)
         try:
             yield [token]
@@ -287,6 +293,7 @@ class Decoder:
                 accepted = [tree.tokens[n] for n in path[1:]] if tree is not None else []
                 new = _until_stop(accepted + [bonus], eos, room=N - len(out))
                 out.extend(new)
+                self._record(logits[path[: len(new)]], new)  # row n: the full model after node n of the path
                 token = new[-1]
                 self._sampler.forget_before(len(out))
                 # 5. observe: the drafter and the skip policy learn from the round
@@ -315,6 +322,10 @@ class Decoder:
         token = pf.first_token if self.sampling.greedy else self._sampler.next_token(pf.last_logits, pf.prompt_ids)
         pf.cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
         return pf, token
+
+    def _record(self, logits: torch.Tensor, tokens: list[int]) -> None:
+        if self.logprobs is not None:
+            self.logprobs.extend(token_logprobs(logits, tokens, self._top))
 
     def _bind(self, cosine: SublayerCosine | None) -> SkipSet | None:
         """Before the first round: the skip policy's first set, and the drafter bound to it."""

@@ -9,7 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from ..decoding.loop import check_lengths
 from ..errors import InvalidInputError
 from ..methods import METHODS
+from .logprobs import LogprobFormatter
 from .schemas import UNSUPPORTED_OPENAI_FIELDS, ApiError, ChatRequest, CompletionRequest
 from .worker import Job, QueueFull, Worker, loop_emitter
 
@@ -128,13 +129,14 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
         raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job = Job(prompt, method, sampling, limit, body.stops(), loop_emitter(loop, events))
+    job = Job(prompt, method, sampling, limit, body.stops(), loop_emitter(loop, events), logprobs=body.logprob_top(),
+              n=body.n)  # fmt: skip
     try:
         worker.submit(job)
     except QueueFull:
         raise ApiError(429, "the server is busy (queue full); retry later", type="rate_limit_error",
                        headers={"Retry-After": str(limits.retry_after_s)}) from None  # fmt: skip
-    reply = _Reply(job.id, model_name, chat, len(ids))
+    reply = _Reply(job.id, model_name, chat, len(ids), body.n, job.logprobs, worker.logprob_formatter)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_sse(request, job, events, reply, include_usage), media_type="text/event-stream",
@@ -147,12 +149,15 @@ KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions",
 
 @dataclass
 class _Reply:
-    """Builds the OpenAI response objects of one request."""
+    """Builds the OpenAI response objects of one request (its ``n`` choices)."""
 
     id: str
     model: str
     chat: bool
     prompt_tokens: int
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token; None: no logprobs asked for
+    formatter: LogprobFormatter | None = None
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -163,29 +168,50 @@ class _Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}  # fmt: skip
 
-    def whole(self, text: str, reason: str, stats, tokens: int) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def _logprobs(self, items: list) -> dict[str, Any] | None:
+        if self.logprobs is None or self.formatter is None:
+            return None
+        return self.formatter.chat(items) if self.chat else self.formatter.completion(items, self.logprobs)
+
+    def whole(self, choices: list[_Choice], stats) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            if self.chat:
+                out.append({"index": i, "message": {"role": "assistant", "content": "".join(c.parts)},
+                            "finish_reason": c.reason, "logprobs": self._logprobs(c.items)})  # fmt: skip
+            else:
+                out.append({"index": i, "text": "".join(c.parts), "finish_reason": c.reason,
+                            "logprobs": self._logprobs(c.items)})  # fmt: skip
+        tokens = sum(c.tokens for c in choices)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(tokens),
+                "created": self.created, "model": self.model, "choices": out, "usage": self.usage(tokens),
                 "selfspec": _stats(stats)}  # fmt: skip
 
     def chunk(self, text: str | None, reason: str | None = None, extra: dict | None = None,
-              role: bool = False) -> dict[str, Any]:  # fmt: skip
+              role: bool = False, index: int = 0, items: list | None = None) -> dict[str, Any]:  # fmt: skip
+        logprobs = self._logprobs(items) if items else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [choice]}  # fmt: skip
         if extra:
             out["selfspec"] = extra
         return out
+
+
+@dataclass
+class _Choice:
+    """What one choice of a request has produced so far."""
+
+    parts: list[str] = field(default_factory=list)
+    items: list = field(default_factory=list)  # (offset, TokenLogprob), with the text they belong to
+    reason: str | None = None
+    tokens: int = 0
 
 
 def _stats(stats) -> dict[str, Any] | None:
@@ -211,15 +237,21 @@ async def _next(request: Request, job: Job, events: asyncio.Queue):
 
 
 async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Reply):
-    parts: list[str] = []
+    choices = [_Choice() for _ in range(reply.n)]
+    first_stats = None
     try:
         while True:
             kind, payload = await _next(request, job, events)
             if kind == "piece":
-                parts.append(payload[0])
+                index, text, _, _, items = payload
+                choices[index].parts.append(text)
+                choices[index].items.extend(items)
+            elif kind == "end":
+                index, reason, stats, tokens = payload
+                choices[index].reason, choices[index].tokens = reason, tokens
+                first_stats = stats if index == 0 else first_stats
             elif kind == "done":
-                reason, stats, tokens = payload
-                return JSONResponse(reply.whole("".join(parts), reason, stats, tokens))
+                return JSONResponse(reply.whole(choices, first_stats))
             elif kind == "error":
                 status, message = payload
                 raise ApiError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
@@ -232,29 +264,35 @@ async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Rep
 async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply, include_usage: bool
                ) -> AsyncIterator[str]:  # fmt: skip
     pending = None  # an event taken while merging pieces, handled next
+    tokens_sent = 0
     try:
-        yield _event(reply.chunk("" if reply.chat else None, role=True))
+        for index in range(reply.n):
+            yield _event(reply.chunk("" if reply.chat else None, role=True, index=index))
         while True:
             kind, payload = pending if pending is not None else await _next(request, job, events)
             pending = None
             if kind == "piece":
-                text, tokens, drafted = payload
-                # pieces that queued up while the loop was busy (several requests decoding) go out as one event:
-                # the same text, fewer events to write and parse
+                index, text, tokens, drafted, items = payload
+                # pieces of one choice that queued up while the loop was busy (several requests decoding) go out
+                # as one event: the same text, fewer events to write and parse
                 while not events.empty():
                     kind2, payload2 = events.get_nowait()
-                    if kind2 != "piece":
+                    if kind2 != "piece" or payload2[0] != index:
                         pending = (kind2, payload2)
                         break
-                    text, tokens, drafted = text + payload2[0], tokens + payload2[1], drafted + payload2[2]
-                if text or tokens:
-                    yield _event(reply.chunk(text, extra={"tokens": tokens, "drafted": drafted}))
+                    text, tokens, drafted = text + payload2[1], tokens + payload2[2], drafted + payload2[3]
+                    items = [*items, *payload2[4]]
+                if text or tokens or items:
+                    yield _event(reply.chunk(text, extra={"tokens": tokens, "drafted": drafted}, index=index,
+                                             items=items))  # fmt: skip
+            elif kind == "end":
+                index, reason, stats, tokens = payload
+                tokens_sent += tokens
+                yield _event(reply.chunk(None, reason, extra=_stats(stats), index=index))
             elif kind == "done":
-                reason, stats, tokens = payload
-                yield _event(reply.chunk(None, reason, extra=_stats(stats)))
                 if include_usage:
                     usage = reply.chunk(None)
-                    usage["choices"], usage["usage"] = [], reply.usage(tokens)
+                    usage["choices"], usage["usage"] = [], reply.usage(tokens_sent)
                     yield _event(usage)
                 yield "data: [DONE]\n\n"
                 return

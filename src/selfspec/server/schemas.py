@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints we serve, validated strictly, and the errors they answer with.
 
 Unknown fields are refused (a typo must not be silently ignored); fields of the
-OpenAI schema that we do not implement (``logprobs``, ``tools``, ``n`` > 1,
+OpenAI schema that we do not implement (``tools``, ``response_format``, ``echo``,
 penalties other than 0) are refused with a message saying so, unless they ask
 for nothing: many clients send every field with its default (``"logprobs":
 false``, ``"tools": []``, ``"response_format": {"type": "text"}``, null), and
@@ -18,6 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling import SamplingParams
+from ..decoding.logprobs import MAX_TOP
+
+MAX_CHOICES = 8  # ``n``: choices of one request, decoded one after the other
 
 
 class ApiError(Exception):
@@ -52,7 +55,7 @@ class StreamOptions(BaseModel):
 
 # OpenAI fields we do not implement, each with the values that ask for nothing (a client sending its defaults)
 UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "suffix": (None, ""),
     "best_of": (None, 1), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
@@ -77,8 +80,8 @@ class _Common(BaseModel):
         any other value it stays, and validation refuses it as not supported."""
         if isinstance(data, dict):
             data = {k: v for k, v in data.items() if not (k in UNSUPPORTED_OPENAI_FIELDS and _asks_nothing(k, v))}
-            for name in ("n", "presence_penalty", "frequency_penalty", "echo"):  # null: the default
-                if data.get(name, 0) is None:
+            for name in ("n", "presence_penalty", "frequency_penalty", "echo", "logprobs", "top_logprobs"):
+                if data.get(name, 0) is None:  # null: the default
                     del data[name]
         return data
 
@@ -91,7 +94,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -110,9 +113,11 @@ class _Common(BaseModel):
             raise ApiError(400, "stop: at most 4 non-empty strings", param="stop")
         return stops
 
+    def logprob_top(self) -> int | None:
+        """Alternatives per token for ``logprobs`` (None: no logprobs asked for)."""
+        raise NotImplementedError
+
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported; use repetition_penalty", param=name)
@@ -123,6 +128,16 @@ class _Common(BaseModel):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)
+
+    def logprob_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -135,6 +150,10 @@ class CompletionRequest(_Common):
     prompt: str
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)  # alternatives per token (OpenAI: at most 5)
+
+    def logprob_top(self) -> int | None:
+        return self.logprobs
 
     def limit(self) -> int | None:
         return self.max_tokens

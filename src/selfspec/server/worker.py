@@ -31,19 +31,21 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..api import Session
+from ..api import Piece, Session
 from ..core import native_thread
 from ..core.prefix_store import DEFAULT_MB, PrefixStore, inexact_reason
 from ..core.sampling import SamplingParams
 from ..cost.costs import CostProfile, cost_profile
 from ..decoding.batch import StepBatcher
+from ..decoding.logprobs import TokenLogprob
 from ..errors import SelfspecError
 from ..model.models import Model
+from .logprobs import LogprobFormatter
 from .metrics import Metrics
 
 
@@ -59,7 +61,9 @@ class Job:
     sampling: SamplingParams
     max_tokens: int
     stops: list[str]
-    emit: Callable[[str, Any], None]  # (kind, payload), called from the worker thread
+    emit: Callable[[str, Any], None]  # (kind, payload), called from the worker thread (events: server/app.py)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives; None: none
+    n: int = 1  # choices, decoded one after the other
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
@@ -104,18 +108,24 @@ def prompt_chunk(profile: CostProfile) -> int:
 
 
 class StopScanner:
-    """Cuts the text at the first stop string; holds back a tail that may be the start of one."""
+    """Cuts the text at the first stop string; holds back a tail that may be the start of one.
+
+    Items fed with a piece (its tokens' log-probabilities) are given out with the text they belong to: an item
+    once its token's text has begun to go out, and none whose token starts at or after a stop string."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops, self.text, self.sent = stops, "", 0
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending: list[tuple[int, Any]] = []  # (the item's token's offset in the text, the item)
 
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """(text that can be sent now, whether a stop string was met)."""
+    def feed(self, piece: str, items: Sequence[tuple[int, Any]] = ()) -> tuple[str, bool]:
+        """(text that can be sent now, whether a stop string was met); ``items``: (offset in ``piece``, item)."""
+        self.pending.extend((len(self.text) + at, item) for at, item in items)
         self.text += piece
         hits = [i for s in self.stops if (i := self.text.find(s, max(0, self.sent - len(s) + 1))) >= 0]
         if hits:
             out, self.sent = self.text[self.sent : min(hits)], min(hits)
+            self.pending = [(at, item) for at, item in self.pending if at < self.sent]  # the rest is cut
             return out, True
         ready = len(self.text) - self.hold
         if ready <= self.sent:
@@ -125,6 +135,15 @@ class StopScanner:
 
     def flush(self) -> str:
         out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+    def ready(self, everything: bool = False) -> list[tuple[int, Any]]:
+        """The items whose text has gone out (with ``everything``, all that are left), with their offsets."""
+        if everything:
+            out, self.pending = self.pending, []
+            return out
+        out = [(at, item) for at, item in self.pending if at < self.sent]
+        self.pending = [(at, item) for at, item in self.pending if at >= self.sent]
         return out
 
 
@@ -145,6 +164,7 @@ class Worker:
         self.state_path = Path(state_path) if state_path else None
         self.prefix_store = PrefixStore.of_mb(prefix_cache_mb)
         self.metrics = Metrics(self.prefix_store, self.batcher)
+        self.logprob_formatter = LogprobFormatter(model.tokenizer)  # the tokens of replies that ask for logprobs
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._sessions: list[dict[str, Session]] = [{} for _ in range(parallel)]  # per slot, by method
         self._busy = 0
@@ -253,35 +273,63 @@ class Worker:
                 self._busy_by(-1)
 
     def _generate(self, job: Job, slot: int = 0) -> None:
+        """The job's ``n`` choices one after the other (the second on reuses the prompt's keys and values from
+        the prefix store); choice ``i`` of a seeded request samples with ``seed + i``, so choice 0 is what the
+        request gives with ``n`` 1."""
         if job.cancel.is_set():
             return
         self.metrics.observe_wait(time.perf_counter() - job.queued_at)
+        for index in range(job.n):
+            if job.cancel.is_set():
+                return
+            sampling = job.sampling
+            if index and sampling.seed is not None:
+                sampling = replace(sampling, seed=sampling.seed + index)
+            self._choice(job, slot, index, sampling)
+        job.emit("done", None)
+
+    def _choice(self, job: Job, slot: int, index: int, sampling: SamplingParams) -> None:
         session = self.session(job.method, slot)
         scanner = StopScanner(job.stops)
-        pieces = session.pieces(job.prompt, max_new_tokens=job.max_tokens, sampling=job.sampling)
+        pieces = session.pieces(job.prompt, max_new_tokens=job.max_tokens, sampling=sampling,
+                                logprobs=job.logprobs)  # fmt: skip
         stopped, tokens = False, 0
+        eos = self.model.eos_token_ids
         try:
             for piece in pieces:
-                if not tokens:  # the first token, counted from the request's arrival (queue wait included)
+                if not tokens and not index:  # the first token, from the request's arrival (queue wait included)
                     self.metrics.observe_first_token(time.perf_counter() - job.queued_at)
-                text, stopped = scanner.feed(piece.text)
+                items = [] if job.logprobs is None else _offsets(self.model, piece, eos)
+                text, stopped = scanner.feed(piece.text, items)
                 tokens += piece.tokens
-                job.emit("piece", (text, piece.tokens, piece.drafted))
+                job.emit("piece", (index, text, piece.tokens, piece.drafted, scanner.ready()))
                 if stopped or job.cancel.is_set():
                     break
         finally:
             pieces.close()  # stops the decoder at this round; the method saves what it learned
         if not stopped:
-            tail = scanner.flush()
-            if tail:
-                job.emit("piece", (tail, 0, 0))
+            tail, left = scanner.flush(), scanner.ready(everything=True)
+            if tail or left:
+                job.emit("piece", (index, tail, 0, 0, left))
         # statistics exist for a generation that ran to its end (EOS or max_tokens), not one cut by a stop string
         result = session.last_result
         stats = result.stats if result is not None else None
         reason = "stop" if stopped or (stats is not None and stats.stop_reason == "eos") else "length"
         if stats is not None and not job.cancel.is_set():
             self.metrics.observe(stats)
-        job.emit("done", (reason, stats, tokens))
+        job.emit("end", (index, reason, stats, tokens))
+
+
+def _offsets(model: Model, piece: Piece, eos: frozenset[int]) -> list[tuple[int, TokenLogprob]]:
+    """A piece's tokens' log-probabilities with the offset of each token's text in the piece (an end of
+    sequence adds no text and has none)."""
+    out, at = [], 0
+    for entry in piece.logprobs:
+        if entry.token in eos:
+            continue
+        out.append((min(at, len(piece.text)), entry))
+        at += len(model.decode([entry.token]))
+    return out
 
 
 def _state_unreadable(path: Path) -> bool:

@@ -1,0 +1,56 @@
+"""Log-probabilities of the generated tokens: what OpenAI's ``logprobs`` / ``top_logprobs`` report.
+
+They are the full model's own distribution at each position (a log-softmax of its logits), before temperature,
+top-k/p, min-p and penalties shape what is sampled, as vLLM reports by default.  Every token the decoder emits
+was chosen from a row of the full model's logits, whether that row came from a one-token step (vanilla), a
+verification pass over a draft, or the model's own draft steps (``vocab``); so the figures do not depend on the
+method: greedy, a speculative method reports the log-probabilities vanilla decoding reports (equal bits where
+the engine computes a verification row as a one-token row, float32 rounding apart elsewhere).  Computing them
+costs a log-softmax over the vocabulary per token (about 0.1-0.5 ms on a CPU), paid only when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidInputError
+
+MAX_TOP = 20  # OpenAI's bound on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its id, its log-probability under the model, and the ``top`` most likely tokens at
+    its position (id, log-probability), most likely first (empty when none were asked for)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def check_top(top: int | None) -> int | None:
+    """``top`` (None: no log-probabilities), validated: 0 asks for the chosen tokens' only."""
+    if top is None:
+        return None
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP:
+        raise InvalidInputError(f"logprobs must be an integer between 0 and {MAX_TOP} (the alternatives reported "
+                                f"per token), got {top!r}")  # fmt: skip
+    return top
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """``tokens[i]``'s log-probability under ``logits[i]`` (``[n, V]``), with the ``top`` best of each row."""
+    if logits.shape[0] != len(tokens):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(tokens)} tokens")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    if top:
+        values, indices = lp.topk(min(top, lp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(int(t), float(c), k) for t, c, k in zip(tokens, chosen, tops, strict=True)]
