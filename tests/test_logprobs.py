@@ -165,3 +165,28 @@ def test_the_stop_scanner_gives_items_out_with_their_text_and_cuts_them_at_a_sto
     assert plain.ready() == [(0, "a"), (1, "b")]
     plain.feed("", [(0, "<eos>")])
     assert plain.ready() == [] and plain.ready(everything=True) == [(2, "<eos>")]
+
+
+def test_prompt_logprobs_score_the_prompt_in_chunks_as_one_pass(smollm2, monkeypatch):
+    """``echo``'s figures: each prompt token given those before it (the first has none), computed in chunks of
+    rows; the same as one teacher-forced pass over the whole prompt."""
+    from selfspec.decoding import logprobs as lp_module
+
+    ids = smollm2.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    monkeypatch.setattr(lp_module, "PROMPT_CHUNK", 5)  # several chunks, one of them short
+    entries = lp_module.prompt_logprobs(smollm2, ids, top=2)
+    assert [e.token for e in entries] == ids and entries[0].logprob is None and entries[0].top == ()
+    reference = _teacher_forced(smollm2, ids[:1], tuple(ids[1:]))
+    _check_against(reference, tuple(entries[1:]), tuple(ids[1:]), tol=1e-4)
+    greedy = selfspec.generate(smollm2, ids[:6], "vanilla", max_new_tokens=1, logprobs=2)
+    scored = lp_module.prompt_logprobs(smollm2, [*ids[:6], *greedy.token_ids], top=2)
+    assert greedy.logprobs is not None and scored[-1].token == greedy.logprobs[0].token
+    if smollm2.engine.prompt_rows_exact:  # a continuation scored as the generation reported it
+        assert scored[-1] == greedy.logprobs[0]
+    assert scored[-1].logprob == pytest.approx(greedy.logprobs[0].logprob, abs=1e-4)
+
+
+def test_bad_token_ids_get_a_clear_error(smollm2):
+    for bad in ([1, 2, 10**9], [5, -1]):
+        with pytest.raises(InvalidInputError, match="not in the model's vocabulary"):
+            selfspec.generate(smollm2, bad, "vanilla", max_new_tokens=2)

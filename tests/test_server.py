@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from openai import OpenAI, RateLimitError
 
 import selfspec
@@ -209,7 +210,7 @@ def test_chat_logprobs_are_the_models_own_and_spell_the_answer(server, smollm2):
         choice = out.choices[0]
         assert choice.message.content == vanilla.text
         content = choice.logprobs.content
-        want = [e for e in vanilla.logprobs if e.token not in smollm2.eos_token_ids]
+        want = vanilla.logprobs  # every token, an end of sequence too (its text and bytes empty)
         assert [c.logprob for c in content] == [e.logprob for e in want]
         assert [[t.logprob for t in c.top_logprobs] for c in content] == [[lp for _, lp in e.top] for e in want]
         assert bytes(b for c in content for b in c.bytes).decode() == vanilla.text
@@ -239,6 +240,38 @@ def test_completion_logprobs_stop_with_the_text_and_stream_alike(server, smollm2
                                             stream=True))  # fmt: skip
     streamed = [x for c in chunks for x in (c.choices[0].logprobs.token_logprobs if c.choices[0].logprobs else [])]
     assert streamed == lp.token_logprobs
+
+
+def test_echo_scores_a_batch_of_token_id_prompts_as_evaluation_harnesses_ask(server, smollm2):
+    """lm-evaluation-harness's loglikelihood request (``local-completions``): a batch of token-id prompts,
+    ``echo``, ``logprobs`` 1, ``max_tokens`` 1; a continuation's log-likelihood is the sum of its tokens'
+    ``token_logprobs``, equal to one teacher-forced pass of our engine; a bad batch gets a 400."""
+    context = smollm2.encode("The capital of France is")
+    answers = [smollm2.tokenizer(a, add_special_tokens=False)["input_ids"] for a in (" Paris", " the city of Rome")]
+    batch = [context + a for a in answers]
+    code, reply = post(f"{server.url}/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+         "echo": True}).encode())  # fmt: skip
+    assert code == 200, reply
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1]
+    engine = smollm2.engine
+    for ids, answer, choice in zip(batch, answers, choices, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        assert choice["text"].startswith(smollm2.decode(ids))
+        with torch.inference_mode():
+            logits = engine.forward(engine.new_cache(len(ids) + 1), torch.tensor(ids), 0)
+        table = torch.log_softmax(logits.float(), -1)
+        want = sum(float(table[len(context) - 1 + j, t]) for j, t in enumerate(answer))
+        assert sum(lp["token_logprobs"][len(context) : -1]) == pytest.approx(want, abs=1e-3)
+        greedy = all(v == max(top.values()) for v, top in zip(lp["token_logprobs"][len(context) : -1],
+                                                              lp["top_logprobs"][len(context) : -1], strict=True))
+        assert greedy == (answer == answers[0]), "' Paris' is the model's own continuation, the other is not"
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, batch))
+    for bad, words in (([[1, 2, 10**9]], "vocabulary"), ([], "empty"), ([context] * 65, "at most 64")):
+        code, reply = post(f"{server.url}/v1/completions", json.dumps({"prompt": bad, "max_tokens": 1}).encode())
+        assert code == 400 and words in reply["error"]["message"], reply
 
 
 def test_n_choices_are_the_seeds_one_after_another(server, smollm2):
@@ -448,9 +481,9 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(smollm2):
         for t in threads:
             t.join(300)
         assert got == dict(enumerate(alone)), "each request's answer is its answer alone"
+        assert any(r.stats.stop_reason == "eos" for r in results), "an answer's end of sequence is reported too"
         for i, r in enumerate(results):  # and its tokens' log-probabilities (float32 rounding at most)
-            kept = [e for e in r.logprobs if e.token not in smollm2.eos_token_ids]
-            want = [x for e in kept for x in (e.logprob, *(lp for _, lp in e.top))]
+            want = [x for e in r.logprobs for x in (e.logprob, *(lp for _, lp in e.top))]
             assert figures[i] == pytest.approx(want, abs=1e-4)
         deadline = time.time() + 30
         while get(f"{srv.url}/health")["queue"] and time.time() < deadline:

@@ -28,6 +28,7 @@ from .core.prefix_store import DEFAULT_MB, PrefixStore
 from .core.sampling import SamplingParams
 from .cost.costs import prepare_costs
 from .decoding.batch import StepBatcher
+from .decoding.limits import check_token_ids
 from .decoding.logprobs import TokenLogprob
 from .decoding.loop import Decoder, GenerationStats
 from .methods import build_policies
@@ -77,7 +78,11 @@ class Session:
 
     def _decoder(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingParams,
                  logprobs: int | None = None) -> Decoder:  # fmt: skip
-        ids = list(prompt) if _token_ids(prompt) else self.model.encode(prompt)
+        if _token_ids(prompt):
+            ids = list(prompt)
+            check_token_ids(self.model, ids)
+        else:
+            ids = self.model.encode(prompt)
         return Decoder(
             self.model,
             ids,

@@ -17,17 +17,20 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidInputError
+from ..model.models import Model
+from .limits import check_lengths
 
 MAX_TOP = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token: its id, its log-probability under the model, and the ``top`` most likely tokens at
-    its position (id, log-probability), most likely first (empty when none were asked for)."""
+    """One token: its id, its log-probability under the model, and the ``top`` most likely tokens at its
+    position (id, log-probability), most likely first (empty when none were asked for).  ``logprob`` is None
+    only for the first token of a prompt (:func:`prompt_logprobs`), which nothing before it predicts."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -54,3 +57,22 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
     else:
         tops = [()] * len(tokens)
     return [TokenLogprob(int(t), float(c), k) for t, c, k in zip(tokens, chosen, tops, strict=True)]
+
+
+PROMPT_CHUNK = 64  # prompt rows scored per pass: [64, V] float32 logits (39 MB for a 152k vocabulary) at a time
+
+
+def prompt_logprobs(model: Model, ids: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each prompt token's log-probability given the tokens before it (OpenAI's ``echo`` with ``logprobs``, how
+    evaluation harnesses score a continuation): a pass of the full model over the prompt in chunks, each row as
+    a verification pass computes it; the first token's entry has ``logprob`` None."""
+    check_lengths(model, len(ids), 1)
+    engine = model.engine
+    cache = engine.new_cache(len(ids))
+    tokens = torch.tensor(list(ids), dtype=torch.long, device=engine.device)
+    out = [TokenLogprob(int(ids[0]), None)]
+    for a in range(0, len(ids) - 1, PROMPT_CHUNK):
+        b = min(len(ids) - 1, a + PROMPT_CHUNK)  # rows [a, b) predict tokens [a + 1, b + 1)
+        logits = engine.forward(cache, tokens[a:b], a)
+        out.extend(token_logprobs(logits, tokens[a + 1 : b + 1].tolist(), top))
+    return out

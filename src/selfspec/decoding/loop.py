@@ -37,11 +37,12 @@ from ..core.cache import KVCache
 from ..core.prefix_store import CosineMark, PrefixStore
 from ..core.sampling import GREEDY, Sampler, SamplingParams
 from ..core.skipset import SkipSet
-from ..errors import InvalidInputError, SelfspecError
+from ..errors import SelfspecError
 from ..model.engine import BatchItem, SublayerCosine
 from ..model.models import Model
 from .acceptance import accept_greedy, accept_sampling
 from .batch import StepBatcher
+from .limits import check_lengths
 from .logprobs import TokenLogprob, check_top, token_logprobs
 from .protocols import Drafter, DraftOutcome, RoundContext, SkipPolicy
 from .stats import GenerationStats
@@ -60,19 +61,6 @@ def check_finite(logits: torch.Tensor, what: str) -> None:
         raise SelfspecError(
             f"the full model produced NaN or infinite logits during {what}; the model's weights or dtype are "
             "broken for this input (try dtype='float32')"
-        )
-
-
-def check_lengths(model: Model, prompt_len: int, max_new_tokens: int) -> None:
-    if max_new_tokens < 1:
-        raise InvalidInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ctx = model.max_context
-    if prompt_len >= ctx:
-        raise InvalidInputError(f"the prompt is {prompt_len} tokens, longer than the model's context of {ctx} tokens")
-    if prompt_len + max_new_tokens > ctx:
-        raise InvalidInputError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
-            f"{ctx} tokens; lower max_new_tokens to at most {ctx - prompt_len}"
         )
 
 

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from ..decoding.loop import check_lengths
+from ..decoding.limits import check_lengths, check_token_ids
 from ..errors import InvalidInputError
 from ..methods import METHODS
 from .logprobs import LogprobFormatter
@@ -94,20 +94,19 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = _parse(ChatRequest, await _json(request, limits))
-        return await _complete(worker, limits, request, body, body.prompt(), chat=True)
+        return await _complete(worker, limits, request, body, [body.prompt()], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = _parse(CompletionRequest, await _json(request, limits))
-        if not body.prompt.strip():
-            raise ApiError(400, "prompt is empty", param="prompt")
-        return await _complete(worker, limits, request, body, body.prompt, chat=False)
+        return await _complete(worker, limits, request, body, body.prompts(), chat=False)
 
     return app
 
 
-async def _complete(worker: Worker, limits: Limits, request: Request, body, prompt: Any, *, chat: bool):
-    """Validate a completion request against the model and the limits, queue it, answer or stream."""
+async def _complete(worker: Worker, limits: Limits, request: Request, body, prompts: list[Any], *, chat: bool):
+    """Validate a completion request (its prompts: chat messages, text or token ids) against the model and the
+    limits, queue it, answer or stream."""
     model_name = worker.model.name
     body.check_supported()
     if body.model is not None and body.model != model_name:
@@ -123,20 +122,29 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
                        param="max_tokens")  # fmt: skip
     try:
         sampling = body.sampling()
-        ids = worker.model.encode(prompt)
-        check_lengths(worker.model, len(ids), limit)
+        every_ids = []
+        for prompt in prompts:
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                check_token_ids(worker.model, prompt)
+                ids = list(prompt)
+            else:
+                ids = worker.model.encode(prompt)
+            check_lengths(worker.model, len(ids), limit)
+            every_ids.append(ids)
     except InvalidInputError as exc:
         raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    job = Job(prompt, method, sampling, limit, body.stops(), loop_emitter(loop, events), logprobs=body.logprob_top(),
-              n=body.n)  # fmt: skip
+    echo = getattr(body, "echo", False)
+    job = Job(every_ids, method, sampling, limit, body.stops(), loop_emitter(loop, events), logprobs=body.logprob_top(),
+              n=body.n, batch=True, echo=echo)  # fmt: skip
     try:
         worker.submit(job)
     except QueueFull:
         raise ApiError(429, "the server is busy (queue full); retry later", type="rate_limit_error",
                        headers={"Retry-After": str(limits.retry_after_s)}) from None  # fmt: skip
-    reply = _Reply(job.id, model_name, chat, len(ids), body.n, job.logprobs, worker.logprob_formatter)
+    reply = _Reply(job.id, model_name, chat, sum(map(len, every_ids)), len(prompts) * body.n, job.logprobs,
+                   worker.logprob_formatter)  # fmt: skip
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_sse(request, job, events, reply, include_usage), media_type="text/event-stream",

@@ -5,7 +5,7 @@ a byte that is part of a character split over tokens written as ``\\xNN``, as Op
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -14,15 +14,18 @@ from ..decoding.logprobs import TokenLogprob
 
 
 class LogprobFormatter:
-    """Formats one model's token log-probabilities; token texts are cached (a top-20 list names many)."""
+    """Formats one model's token log-probabilities; token texts are cached (a top-20 list names many).
+    ``decode``: a token's text as the replies' text shows it; a token that shows none there (the end of
+    sequence, other special tokens) has the empty text and no bytes."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._bytes = lru_cache(maxsize=65536)(token_bytes(tokenizer))
+    def __init__(self, tokenizer: Any, decode: Callable[[int], str]) -> None:
+        spell = token_bytes(tokenizer)
+        self._bytes = lru_cache(maxsize=65536)(lambda token: spell(token) if decode(token) else b"")
 
     def text(self, token: int) -> str:
         return self._bytes(token).decode("utf-8", errors="backslashreplace")
 
-    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+    def _entry(self, token: int, logprob: float | None) -> dict[str, Any]:
         return {"token": self.text(token), "logprob": logprob, "bytes": list(self._bytes(token))}
 
     def chat(self, items: Sequence[tuple[int, TokenLogprob]]) -> dict[str, Any]:
@@ -36,6 +39,7 @@ class LogprobFormatter:
         return {
             "tokens": [self.text(e.token) for _, e in items],
             "token_logprobs": [e.logprob for _, e in items],
-            "top_logprobs": [{self.text(t): lp for t, lp in e.top} for _, e in items] if top else None,
+            "top_logprobs": [None if e.logprob is None else {self.text(t): lp for t, lp in e.top} for _, e in items]
+            if top else None,  # (an echoed prompt's first token: nothing predicts it)
             "text_offset": [at for at, _ in items],
         }

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints we serve, validated strictly, and the errors they answer with.
 
 Unknown fields are refused (a typo must not be silently ignored); fields of the
-OpenAI schema that we do not implement (``tools``, ``response_format``, ``echo``,
+OpenAI schema that we do not implement (``tools``, ``response_format``, ``suffix``, ``best_of``,
 penalties other than 0) are refused with a message saying so, unless they ask
 for nothing: many clients send every field with its default (``"logprobs":
 false``, ``"tools": []``, ``"response_format": {"type": "text"}``, null), and
@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..core.sampling import SamplingParams
 from ..decoding.logprobs import MAX_TOP
 
-MAX_CHOICES = 8  # ``n``: choices of one request, decoded one after the other
+MAX_CHOICES = 8  # ``n``: choices of one prompt, decoded one after the other
+MAX_BATCH = 64  # choices of one text completion request (prompts x n)
 
 
 class ApiError(Exception):
@@ -147,7 +148,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str
+    # text, token ids, or a batch of either (OpenAI's forms; evaluation harnesses send batches of token ids)
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)  # alternatives per token (OpenAI: at most 5)
@@ -155,10 +157,20 @@ class CompletionRequest(_Common):
     def logprob_top(self) -> int | None:
         return self.logprobs
 
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each text or token ids (a single prompt: a list of one)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            prompts: list = [p]
+        else:
+            prompts = list(p)
+        if not prompts or any(not x or (isinstance(x, str) and not x.strip()) for x in prompts):
+            raise ApiError(400, "prompt is empty", param="prompt")
+        if len(prompts) * self.n > MAX_BATCH:
+            raise ApiError(400, f"prompt: {len(prompts)} prompts x n={self.n} choices; at most {MAX_BATCH} choices "
+                           "per request", param="prompt")  # fmt: skip
+        return prompts
+
     def limit(self) -> int | None:
         return self.max_tokens
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo")

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..api import Piece, Session
+from ..api import Session
 from ..core import native_thread
 from ..core.prefix_store import DEFAULT_MB, PrefixStore, inexact_reason
 from ..core.sampling import SamplingParams
 from ..cost.costs import CostProfile, cost_profile
 from ..decoding.batch import StepBatcher
-from ..decoding.logprobs import TokenLogprob
+from ..decoding.logprobs import TokenLogprob, prompt_logprobs
 from ..errors import SelfspecError
 from ..model.models import Model
 from .logprobs import LogprobFormatter
@@ -56,14 +56,16 @@ def stateful(method: str, options: dict) -> bool:
 
 @dataclass
 class Job:
-    prompt: Any  # chat messages or raw text
+    prompt: Any  # chat messages, raw text or token ids; a list of prompts with ``batch``
     method: str
     sampling: SamplingParams
     max_tokens: int
     stops: list[str]
     emit: Callable[[str, Any], None]  # (kind, payload), called from the worker thread (events: server/app.py)
     logprobs: int | None = None  # each token's log-probability and this many alternatives; None: none
-    n: int = 1  # choices, decoded one after the other
+    n: int = 1  # choices per prompt, decoded one after the other
+    batch: bool = False  # ``prompt`` is a list of prompts (text completions): choice p * n + i is prompt p's i-th
+    echo: bool = False  # each choice starts with its prompt's text (and with ``logprobs``, its tokens' figures)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
@@ -164,7 +166,8 @@ class Worker:
         self.state_path = Path(state_path) if state_path else None
         self.prefix_store = PrefixStore.of_mb(prefix_cache_mb)
         self.metrics = Metrics(self.prefix_store, self.batcher)
-        self.logprob_formatter = LogprobFormatter(model.tokenizer)  # the tokens of replies that ask for logprobs
+        # the tokens of replies that ask for logprobs
+        self.logprob_formatter = LogprobFormatter(model.tokenizer, lambda token: model.decode([token]))
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._sessions: list[dict[str, Session]] = [{} for _ in range(parallel)]  # per slot, by method
         self._busy = 0
@@ -273,36 +276,38 @@ class Worker:
                 self._busy_by(-1)
 
     def _generate(self, job: Job, slot: int = 0) -> None:
-        """The job's ``n`` choices one after the other (the second on reuses the prompt's keys and values from
-        the prefix store); choice ``i`` of a seeded request samples with ``seed + i``, so choice 0 is what the
-        request gives with ``n`` 1."""
+        """The job's choices one after the other (``n`` per prompt; the second on reuses the prompt's keys and
+        values from the prefix store); choice ``i`` of a prompt of a seeded request samples with ``seed + i``,
+        so choice 0 is what the request gives with ``n`` 1."""
         if job.cancel.is_set():
             return
         self.metrics.observe_wait(time.perf_counter() - job.queued_at)
-        for index in range(job.n):
-            if job.cancel.is_set():
-                return
-            sampling = job.sampling
-            if index and sampling.seed is not None:
-                sampling = replace(sampling, seed=sampling.seed + index)
-            self._choice(job, slot, index, sampling)
+        prompts = list(job.prompt) if job.batch else [job.prompt]
+        for p, prompt in enumerate(prompts):
+            for i in range(job.n):
+                if job.cancel.is_set():
+                    return
+                sampling = job.sampling
+                if i and sampling.seed is not None:
+                    sampling = replace(sampling, seed=sampling.seed + i)
+                self._choice(job, slot, p * job.n + i, prompt, sampling)
         job.emit("done", None)
 
-    def _choice(self, job: Job, slot: int, index: int, sampling: SamplingParams) -> None:
+    def _choice(self, job: Job, slot: int, index: int, prompt: Any, sampling: SamplingParams) -> None:
         session = self.session(job.method, slot)
         scanner = StopScanner(job.stops)
-        pieces = session.pieces(job.prompt, max_new_tokens=job.max_tokens, sampling=sampling,
+        shift = self._echo(job, index, prompt) if job.echo else 0  # the completion's text starts after the prompt's
+        pieces = session.pieces(prompt, max_new_tokens=job.max_tokens, sampling=sampling,
                                 logprobs=job.logprobs)  # fmt: skip
         stopped, tokens = False, 0
-        eos = self.model.eos_token_ids
         try:
             for piece in pieces:
                 if not tokens and not index:  # the first token, from the request's arrival (queue wait included)
                     self.metrics.observe_first_token(time.perf_counter() - job.queued_at)
-                items = [] if job.logprobs is None else _offsets(self.model, piece, eos)
+                items = [] if job.logprobs is None else _offsets(self.model, piece.text, piece.logprobs)
                 text, stopped = scanner.feed(piece.text, items)
                 tokens += piece.tokens
-                job.emit("piece", (index, text, piece.tokens, piece.drafted, scanner.ready()))
+                job.emit("piece", (index, text, piece.tokens, piece.drafted, _shifted(scanner.ready(), shift)))
                 if stopped or job.cancel.is_set():
                     break
         finally:
@@ -310,7 +315,7 @@ class Worker:
         if not stopped:
             tail, left = scanner.flush(), scanner.ready(everything=True)
             if tail or left:
-                job.emit("piece", (index, tail, 0, 0, left))
+                job.emit("piece", (index, tail, 0, 0, _shifted(left, shift)))
         # statistics exist for a generation that ran to its end (EOS or max_tokens), not one cut by a stop string
         result = session.last_result
         stats = result.stats if result is not None else None
@@ -319,15 +324,29 @@ class Worker:
             self.metrics.observe(stats)
         job.emit("end", (index, reason, stats, tokens))
 
+    def _echo(self, job: Job, index: int, prompt: Any) -> int:
+        """``echo``: the prompt's text as the choice's first piece, with its tokens' log-probabilities (the
+        first token's None: nothing predicts it) when asked for; the length of that text."""
+        ids = list(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
+            self.model.encode(prompt)  # fmt: skip
+        text = self.model.decode(ids)
+        items = []
+        if job.logprobs is not None:
+            items = _offsets(self.model, text, prompt_logprobs(self.model, ids, job.logprobs))
+        job.emit("piece", (index, text, 0, 0, items))
+        return len(text)
 
-def _offsets(model: Model, piece: Piece, eos: frozenset[int]) -> list[tuple[int, TokenLogprob]]:
-    """A piece's tokens' log-probabilities with the offset of each token's text in the piece (an end of
-    sequence adds no text and has none)."""
+
+def _shifted(items: list[tuple[int, Any]], shift: int) -> list[tuple[int, Any]]:
+    return [(at + shift, item) for at, item in items] if shift else items
+
+
+def _offsets(model: Model, text: str, entries: Sequence[TokenLogprob]) -> list[tuple[int, TokenLogprob]]:
+    """Tokens' log-probabilities with the offset of each token's text in ``text``, the text they spell (a
+    special token, such as the end of sequence, adds none)."""
     out, at = [], 0
-    for entry in piece.logprobs:
-        if entry.token in eos:
-            continue
-        out.append((min(at, len(piece.text)), entry))
+    for entry in entries:
+        out.append((min(at, len(text)), entry))
         at += len(model.decode([entry.token]))
     return out
 
