@@ -274,6 +274,26 @@ def test_echo_scores_a_batch_of_token_id_prompts_as_evaluation_harnesses_ask(ser
         assert code == 400 and words in reply["error"]["message"], reply
 
 
+def test_the_tokenizer_endpoints_agree_with_the_model(server, smollm2):
+    """vLLM's /tokenizer_info, /tokenize, /detokenize (what lm-evaluation-harness's remote tokenizer reads)."""
+    info = get(f"{server.url}/tokenizer_info")
+    assert info["eos_token"] == smollm2.tokenizer.eos_token and info["chat_template"]
+    assert info["model_max_length"] == smollm2.max_context
+    code, reply = post(f"{server.url}/tokenize", json.dumps({"messages": CHAT}).encode())
+    assert code == 200 and reply["tokens"] == smollm2.encode(CHAT) and reply["count"] == len(reply["tokens"])
+    code, reply = post(f"{server.url}/tokenize", json.dumps({"prompt": "Hello world", "add_special_tokens": False}
+                                                            ).encode())  # fmt: skip
+    ids = reply["tokens"]
+    assert code == 200 and smollm2.decode(ids) == "Hello world"
+    code, reply = post(f"{server.url}/detokenize", json.dumps({"tokens": smollm2.encode(CHAT)}).encode())
+    assert code == 200 and reply["prompt"] == smollm2.chat_text(CHAT), "special tokens kept: a faithful round trip"
+    for path, body, words in (("/tokenize", {}, "either prompt or messages"),
+                              ("/detokenize", {"tokens": [5, 10**8]}, "vocabulary"),
+                              ("/tokenize", {"prompt": "x", "model": "gpt-9"}, "not served here")):  # fmt: skip
+        code, reply = post(f"{server.url}{path}", json.dumps(body).encode())
+        assert code in (400, 404) and words in reply["error"]["message"], reply
+
+
 def test_n_choices_are_the_seeds_one_after_another(server, smollm2):
     """``n``: choice i of a seeded request samples with seed + i (choice 0 is the request's answer with n=1);
     greedy, every choice is the same answer; streamed, the chunks of each index spell its choice."""
@@ -353,6 +373,8 @@ def test_state_survives_a_restart_and_a_corrupt_state_is_set_aside(tmp_path):
     try:
         with pytest.raises(Exception, match="401"):
             srv.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+        code, reply = post(f"{srv.url}/tokenize", json.dumps({"prompt": "hi"}).encode())
+        assert code == 401, "the tokenizer's endpoints need the key too"
         client = srv.client(api_key="k3y")
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
                                        extra_body={"selfspec": {"method": "swift"}})  # fmt: skip

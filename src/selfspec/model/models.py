@@ -221,13 +221,31 @@ class Model:
             raise InvalidInputError('chat prompts are a non-empty list of {"role": ..., "content": ...} messages')
         if not any(str(m["content"]).strip() for m in messages):
             raise InvalidInputError("the prompt is empty")
+        return self.tokenize(self.chat_text(messages), add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int], *, skip_special: bool = True) -> str:
+        """The text of ``token_ids``; special tokens (the end of sequence, chat markers) left out unless
+        ``skip_special`` is False (a faithful round trip of any ids)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special)
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of any text, the empty text included (a client counting tokens); ``add_special_tokens``:
+        with the tokens the tokenizer puts around a text (Gemma's BOS), as :meth:`encode` does for raw text."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def chat_text(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        """Chat messages rendered with the model's chat template (refused, with the reason, without one)."""
         if not self.has_chat_template:
             raise InvalidInputError(f"model '{self.name}' has no chat template; pass the prompt as raw text")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def tokenizer_info(self) -> dict[str, str | None]:
+        """The tokenizer's BOS, EOS and padding tokens as text and its chat template (None where it has none)."""
+        t = self.tokenizer
+        return {"tokenizer_class": type(t).__name__, "bos_token": getattr(t, "bos_token", None),
+                "eos_token": getattr(t, "eos_token", None), "pad_token": getattr(t, "pad_token", None),
+                "chat_template": getattr(t, "chat_template", None) or None}  # fmt: skip
 
 
 # -- public entry points ---------------------------------------------------------

@@ -22,7 +22,14 @@ from ..decoding.limits import check_lengths, check_token_ids
 from ..errors import InvalidInputError
 from ..methods import METHODS
 from .logprobs import LogprobFormatter
-from .schemas import UNSUPPORTED_OPENAI_FIELDS, ApiError, ChatRequest, CompletionRequest
+from .schemas import (
+    UNSUPPORTED_OPENAI_FIELDS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from .worker import Job, QueueFull, Worker, loop_emitter
 
 
@@ -48,7 +55,7 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
     async def guard(request: Request, call_next):
         path = request.url.path
         try:
-            if path.startswith("/v1/") and api_key is not None:
+            if path.startswith(PROTECTED) and api_key is not None:
                 given = request.headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                     raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
@@ -87,6 +94,39 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "selfspec"}]}
 
+    # the tokenizer, as vLLM serves it (evaluation harnesses and clients that count tokens use these)
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {**worker.model.tokenizer_info(), "model_max_length": worker.model.max_context,
+                "vocab_size": worker.model.adapter.vocab_size}  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = _parse(TokenizeRequest, await _json(request, limits))
+        _check_model(body.model, model_name)
+        model = worker.model
+        try:
+            if body.messages is not None:
+                text = model.chat_text([m.model_dump(exclude_none=True) for m in body.messages],
+                                       add_generation_prompt=body.add_generation_prompt)  # fmt: skip
+                ids = model.tokenize(text, add_special_tokens=False)
+            else:
+                ids = model.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        except InvalidInputError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": model.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = _parse(DetokenizeRequest, await _json(request, limits))
+        _check_model(body.model, model_name)
+        try:
+            if body.tokens:
+                check_token_ids(worker.model, body.tokens)
+        except InvalidInputError as exc:
+            raise ApiError(400, str(exc), param="tokens") from None
+        return {"prompt": worker.model.decode(body.tokens, skip_special=False)}
+
     @app.get("/", response_class=HTMLResponse)
     async def playground():
         return HTMLResponse(resources.files(__package__).joinpath("playground.html").read_text())
@@ -109,9 +149,7 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
     limits, queue it, answer or stream."""
     model_name = worker.model.name
     body.check_supported()
-    if body.model is not None and body.model != model_name:
-        raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{model_name}'",
-                       param="model", type="not_found_error")  # fmt: skip
+    _check_model(body.model, model_name)
     method = (body.selfspec.method if body.selfspec else None) or worker.method
     if method not in worker.allowed:
         raise ApiError(400, f"method '{method}' is not allowed here; allowed: {', '.join(worker.allowed)}",
@@ -152,7 +190,15 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
     return await _gather(request, job, events, reply)
 
 
-KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize",
+               "/detokenize", "/tokenizer_info"}  # fmt: skip
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # need the API key where one is set
+
+
+def _check_model(name: str | None, served: str) -> None:
+    if name is not None and name != served:
+        raise ApiError(404, f"model '{name}' is not served here; this server serves '{served}'", param="model",
+                       type="not_found_error")  # fmt: skip
 
 
 @dataclass

@@ -174,3 +174,28 @@ class CompletionRequest(_Common):
     def limit(self) -> int | None:
         return self.max_tokens
 
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's form): a text or chat messages; the ids and their count."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True  # raw text: the tokens the tokenizer puts around a text (a BOS)
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text (special tokens kept: a faithful round trip)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
