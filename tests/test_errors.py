@@ -116,6 +116,7 @@ def test_chat_prompt_on_model_without_template(small_ctx):
         (["generate", "--max-new-tokens", "0", "--prompt", "hi"], "max-new-tokens"),
         (["generate", "--dtype", "float8", "--prompt", "hi"], "unknown dtype"),
         (["generate", "--prompt-file", "/no/such/prompt.txt"], "prompt file not found"),
+        (["generate", "--logprobs", "21", "--prompt", "hi"], "between 0 and 20"),
     ],
 )
 def test_cli_errors_are_one_line(capsys, argv, match):
@@ -123,6 +124,15 @@ def test_cli_errors_are_one_line(capsys, argv, match):
     err = capsys.readouterr().err.strip()
     assert err.startswith("selfspec: error:") and match in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_generate_json_reports_logprobs(capsys):
+    assert main(["generate", "--prompt", "Hello there", "--max-new-tokens", "6", "--method", "pld", "--logprobs",
+                 "2", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    entries = out["logprobs"]
+    assert [e["token"] for e in entries] == out["token_ids"]
+    assert all(e["logprob"] <= 0 and len(e["top"]) == 2 and e["top"][0][2] >= e["logprob"] for e in entries)
 
 
 def test_cli_models_json(capsys):

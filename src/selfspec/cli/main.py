@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import secrets
 import sys
 from pathlib import Path
@@ -106,6 +107,9 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also run vanilla; report speedup and identity (greedy, or coupled sampling, one seed)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
+    p.add_argument("--logprobs", type=int, metavar="K",
+                   help="each new token's log-probability under the model and its K most likely alternatives "
+                        "(0-20): in --json's output, else the answer's perplexity in the table")  # fmt: skip
     _add_method_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -211,6 +215,7 @@ def _as_prompt(text: str, args: argparse.Namespace, model) -> str | list[dict]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ..api import Session
+    from ..decoding.logprobs import check_top
     from ..methods import build_policies
 
     options = _method_options(args)
@@ -218,6 +223,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise InvalidInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = _sampling_kwargs(args)
+    if args.logprobs is not None:
+        sampling["logprobs"] = check_top(args.logprobs)
     text = _read_prompt_text(args)
     model = load_model(args)
     prompt = _as_prompt(text, args, model)
@@ -232,6 +239,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         result = session.generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
         out = {"text": result.text, "token_ids": list(result.token_ids), "stats": result.stats.to_dict()}
+        if result.logprobs is not None:
+            out["logprobs"] = [{"token": e.token, "text": model.decode([e.token]), "logprob": e.logprob,
+                                "top": [[t, model.decode([t]), lp] for t, lp in e.top]} for e in result.logprobs]
         if args.compare:
             base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
             out["vanilla_stats"] = base.stats.to_dict()
@@ -249,11 +259,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.compare:
         base = Session(model, "vanilla").generate(prompt, max_new_tokens=args.max_new_tokens, **sampling)
     identical = None if base is None or not judged else base.token_ids == session.last_result.token_ids
-    _print_stats(stats, None if base is None else base.stats, identical)
+    _print_stats(stats, None if base is None else base.stats, identical, session.last_result.logprobs)
     return 0
 
 
-def _print_stats(stats, base, identical) -> None:
+def _print_stats(stats, base, identical, logprobs=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -273,6 +283,9 @@ def _print_stats(stats, base, identical) -> None:
         rows.append(("optimisation s (SWIFT)", f"{stats.optimise_time:.2f}"))
     if stats.draft_precision is not None:
         rows.append(("draft precision", stats.draft_precision))
+    if logprobs:  # the model's own log-probabilities of the answer's tokens
+        mean = sum(e.logprob for e in logprobs) / len(logprobs)
+        rows.append(("answer's mean log-prob / perplexity", f"{mean:.3f} / {math.exp(-mean):.2f}"))
     if stats.skip_set is not None:
         rows.append(("skipped attention", str(stats.skip_set["attention"])))
         rows.append(("skipped MLP", str(stats.skip_set["mlp"])))
