@@ -514,5 +514,15 @@ def test_concurrent_requests_decode_together_and_answer_as_alone(smollm2):
         m = _metrics(srv)
         assert m["selfspec_batch_members"] == 0
         assert m["selfspec_batch_sequences_total"] > m["selfspec_batch_passes_total"] > 0, "requests shared passes"
+        # one request's n choices take the free slots and decode together, each the one it gets alone
+        kw = {"max_new_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 21}
+        out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0.9, top_p=0.95,
+                                             seed=21, n=3)  # fmt: skip
+        for c in out.choices:
+            assert c.message.content == selfspec.generate(smollm2, CHAT, "vanilla", **{**kw, "seed": 21 + c.index}).text
+        after = _metrics(srv)
+        sequences = after["selfspec_batch_sequences_total"] - m["selfspec_batch_sequences_total"]
+        passes = after["selfspec_batch_passes_total"] - m["selfspec_batch_passes_total"]
+        assert sequences > passes > 0, "the choices shared passes"
     finally:
         srv.stop()

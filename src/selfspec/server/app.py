@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from ..decoding.limits import check_lengths, check_token_ids
 from ..errors import InvalidInputError
 from ..methods import METHODS
+from .backlog import Job, QueueFull, loop_emitter
 from .logprobs import LogprobFormatter
 from .schemas import (
     UNSUPPORTED_OPENAI_FIELDS,
@@ -30,7 +31,7 @@ from .schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from .worker import Job, QueueFull, Worker, loop_emitter
+from .worker import Worker
 
 
 @dataclass(frozen=True)

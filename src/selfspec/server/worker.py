@@ -1,12 +1,13 @@
 """The generation worker: one model, up to ``parallel`` generations at a time, from a bounded queue, in arrival
 order.
 
-A :class:`Job` is queued by a request handler and decoded by one of the worker's
-slots (a thread each); the pieces of text it produces are handed to the handler's event loop
+A :class:`~selfspec.server.backlog.Job` is queued by a request handler and each of its choices decoded by one
+of the worker's slots (a thread each; a request's choices on as many slots as are free,
+:mod:`selfspec.server.backlog`); the pieces of text they produce are handed to the handler's event loop
 as they are accepted (streamed, or gathered for a plain response).  With several slots, the generations
 running at the same time verify their rounds in one batched pass (:mod:`selfspec.decoding.batch`): a
-request joins the batch when a slot takes it and leaves when it ends; its output is the one it gets alone.  A job whose
-client went away is cancelled: its generation stops at the next round.  When
+choice joins the batch when a slot takes it and leaves when it ends; its output is the one it gets alone.  A job
+whose client went away is cancelled: its generations stop at the next round.  When
 the queue is full, :meth:`Worker.submit` refuses at once (the server answers
 429 with Retry-After) rather than building an unbounded backlog.
 
@@ -24,27 +25,23 @@ unreadable state file is set aside with a warning, and the server starts fresh.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import queue
 import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..api import Session
 from ..core import native_thread
 from ..core.prefix_store import DEFAULT_MB, PrefixStore, inexact_reason
-from ..core.sampling import SamplingParams
 from ..cost.costs import CostProfile, cost_profile
 from ..decoding.batch import StepBatcher
 from ..decoding.logprobs import TokenLogprob, prompt_logprobs
 from ..errors import SelfspecError
 from ..model.models import Model
+from .backlog import Backlog, Job, Task
 from .logprobs import LogprobFormatter
 from .metrics import Metrics
 
@@ -52,32 +49,6 @@ from .metrics import Metrics
 def stateful(method: str, options: dict) -> bool:
     """Whether the method's learned state goes into the state file: SWIFT's search, also as auto's source."""
     return method == "swift" or (method == "auto" and options.get("layerskip") == "swift")
-
-
-@dataclass
-class Job:
-    prompt: Any  # chat messages, raw text or token ids; a list of prompts with ``batch``
-    method: str
-    sampling: SamplingParams
-    max_tokens: int
-    stops: list[str]
-    emit: Callable[[str, Any], None]  # (kind, payload), called from the worker thread (events: server/app.py)
-    logprobs: int | None = None  # each token's log-probability and this many alternatives; None: none
-    n: int = 1  # choices per prompt, decoded one after the other
-    batch: bool = False  # ``prompt`` is a list of prompts (text completions): choice p * n + i is prompt p's i-th
-    echo: bool = False  # each choice starts with its prompt's text (and with ``logprobs``, its tokens' figures)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
-    cancel: threading.Event = field(default_factory=threading.Event)
-    queued_at: float = field(default_factory=time.perf_counter)
-
-
-def loop_emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[str, Any], None]:
-    """An ``emit`` for :class:`Job` that hands events to an asyncio queue from another thread."""
-    return lambda kind, payload: loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-
-
-class QueueFull(Exception):
-    pass
 
 
 MAX_PARALLEL = 16
@@ -168,7 +139,7 @@ class Worker:
         self.metrics = Metrics(self.prefix_store, self.batcher)
         # the tokens of replies that ask for logprobs
         self.logprob_formatter = LogprobFormatter(model.tokenizer, lambda token: model.decode([token]))
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self._backlog = Backlog(queue_size)
         self._sessions: list[dict[str, Session]] = [{} for _ in range(parallel)]  # per slot, by method
         self._busy = 0
         self._busy_lock = threading.Lock()
@@ -198,16 +169,10 @@ class Worker:
             thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish the running generation, refuse the rest, save the learned state."""
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit("error", (503, "the server is shutting down"))
-        for _ in self._threads:
-            self._queue.put(None)
+        """Finish the running generations, refuse the rest, save the learned state."""
+        for job in self._backlog.close():
+            job.cancel.set()
+            job.emit("error", (503, "the server is shutting down"))
         for thread in self._threads:
             thread.join(timeout)
         self.save_state()
@@ -235,7 +200,8 @@ class Worker:
     # -- requests ------------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
-        return self._queue.qsize() + self._busy
+        """Choices waiting or being decoded."""
+        return len(self._backlog) + self._busy
 
     def session(self, method: str, slot: int = 0) -> Session:
         """The slot's session of ``method`` (made on first use; only slot 0's keeps a state file)."""
@@ -249,10 +215,8 @@ class Worker:
         return sessions[method]
 
     def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
+        """Queue a request; :class:`QueueFull` when ``queue_size`` requests wait already."""
+        self._backlog.put(job)
         self.metrics.queue_length = self.queue_length
 
     def _busy_by(self, n: int) -> None:
@@ -262,38 +226,30 @@ class Worker:
 
     def _run(self, slot: int) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            task = self._backlog.get()
+            if task is None:
                 return
+            job = task.job
             self._busy_by(1)
             try:
-                self._generate(job, slot)
+                if not job.cancel.is_set():
+                    self._choice(task, slot)
+                    if job.ended():
+                        job.emit("done", None)
             except SelfspecError as exc:
+                job.cancel.set()  # the request's other choices stop too: it is answered with the error
                 job.emit("error", (400, str(exc)))
             except Exception as exc:  # a bug must not kill the worker: answer 500 and go on
+                job.cancel.set()
                 job.emit("error", (500, f"internal error: {type(exc).__name__}: {exc}"))
             finally:
                 self._busy_by(-1)
 
-    def _generate(self, job: Job, slot: int = 0) -> None:
-        """The job's choices one after the other (``n`` per prompt; the second on reuses the prompt's keys and
-        values from the prefix store); choice ``i`` of a prompt of a seeded request samples with ``seed + i``,
-        so choice 0 is what the request gives with ``n`` 1."""
-        if job.cancel.is_set():
-            return
-        self.metrics.observe_wait(time.perf_counter() - job.queued_at)
-        prompts = list(job.prompt) if job.batch else [job.prompt]
-        for p, prompt in enumerate(prompts):
-            for i in range(job.n):
-                if job.cancel.is_set():
-                    return
-                sampling = job.sampling
-                if i and sampling.seed is not None:
-                    sampling = replace(sampling, seed=sampling.seed + i)
-                self._choice(job, slot, p * job.n + i, prompt, sampling)
-        job.emit("done", None)
-
-    def _choice(self, job: Job, slot: int, index: int, prompt: Any, sampling: SamplingParams) -> None:
+    def _choice(self, task: Task, slot: int) -> None:
+        """One choice of a request: its pieces of text (after its prompt's, with ``echo``), then its end."""
+        job, index, prompt, sampling = task.job, task.index, task.prompt, task.sampling
+        if index == 0:
+            self.metrics.observe_wait(time.perf_counter() - job.queued_at)
         session = self.session(job.method, slot)
         scanner = StopScanner(job.stops)
         shift = self._echo(job, index, prompt) if job.echo else 0  # the completion's text starts after the prompt's
