@@ -123,3 +123,19 @@ def test_one_prefill_serves_many_decodings(tiny):
     with pytest.raises(ValueError, match="this decoding needs"):
         Decoder(tiny, ids, max_new_tokens=31, method="asd", skip_policy=skip_policy, draft_policy=draft_policy,
                 prefill=pf)
+
+
+def test_greedy_with_a_repetition_penalty_is_transformers_greedy_search(tiny_llama):
+    """temperature 0 with a repetition penalty: transformers' greedy search applies the penalty, and so does
+    every method (it was ignored before 2026-11-27: a silently different answer)."""
+    ids = tiny_llama.encode(PROMPT)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        want = tiny_llama.hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=40,
+                                      repetition_penalty=1.4, eos_token_id=sorted(tiny_llama.eos_token_ids),
+                                      pad_token_id=0, top_p=None, top_k=None, temperature=None)[0, len(ids):].tolist()
+    assert want != hf_greedy(tiny_llama, ids, 40), "the penalty changes this answer"
+    for method, options in (("vanilla", {}), ("pld", {"draft_length": 3}), ("asd", {"preset": "paper"}),
+                            ("swift", {}), ("suffix", {})):  # fmt: skip
+        ours = selfspec.generate(tiny_llama, PROMPT, method, max_new_tokens=40, repetition_penalty=1.4, **options)
+        assert list(ours.token_ids) == want, method

@@ -149,6 +149,19 @@ def test_seeded_sampling_is_vanilla_samplings_tokens(name, request):
         assert greedy.token_ids != base.token_ids
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_greedy_with_a_repetition_penalty_every_method_is_vanillas(name, request):
+    """temperature 0 and a repetition penalty (applied, as transformers' greedy search applies it): every
+    method, drafts over the draft vocabulary included, gives vanilla's tokens."""
+    model = request.getfixturevalue(name)
+    item = _prompts(chat=model.has_chat_template)[0]
+    base = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=40, repetition_penalty=1.3)
+    assert base.token_ids != selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=40).token_ids
+    for method, options in [*SAMPLED_METHODS, ("vocab", {}), ("lowbit", {}), ("auto", {})]:
+        out = selfspec.generate(model, item.prompt, method, max_new_tokens=40, repetition_penalty=1.3, **options)
+        assert out.token_ids == base.token_ids, (name, method)
+
+
 def test_smollm2_s3d_identical(smollm2, tmp_path):
     """An S3D adapter trained for a few steps on the default model: output is still exactly vanilla's."""
     from selfspec.train.s3d import train_s3d

@@ -377,11 +377,12 @@ class Sampler:
     def choose(self, logits: torch.Tensor, positions: Sequence[int], histories: Sequence[Sequence[int]]) -> list[int]:
         """The full model's token after each row of ``logits`` ``[T, V]``: argmax (greedy) or argmax of the
         log-weights plus the position's noise (coupled).  Not for the rejection scheme."""
-        if self.greedy:
-            return argmax_rows(logits)
+        seen = self._seen(histories, logits.device)
+        if self.greedy:  # the penalty applies to greedy choices too, as in transformers' greedy search
+            return argmax_rows(logits if seen is None else _penalise(logits.float().clone(), seen,
+                                                                     self.params.repetition_penalty))  # fmt: skip
         assert self.noise is not None, "the rejection scheme samples during acceptance"
         x = logits.float()
-        seen = self._seen(histories, logits.device)
         if seen is not None:
             x = _penalise(x.clone(), seen, self.params.repetition_penalty)
         if self.noise.whole_rows:
@@ -415,11 +416,19 @@ class Sampler:
 
     # -- the draft -----------------------------------------------------------------------------
     def draft_distribution(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        """The draft's distribution q ``[V]`` after ``history``: its plain softmax when greedy, else warped as
-        the full model's is (what the rejection scheme weighs drafts by)."""
+        """The draft's distribution q ``[V]`` after ``history``: its softmax (after the penalty) when greedy,
+        else warped as the full model's is (what the rejection scheme weighs drafts by)."""
         if self.greedy:
-            return logits.float().softmax(-1)
+            return self.greedy_draft_logits(logits, history).softmax(-1)
         return warp(logits[None], self.params, self._seen([history], logits.device))[0]
+
+    def greedy_draft_logits(self, logits: torch.Tensor, history: Sequence[int],
+                            columns: Columns | None = None) -> torch.Tensor:  # fmt: skip
+        """A greedy draft's logits ``[V']`` (float32) as the full model's choice will weigh them: with the
+        repetition penalty where one is set (``columns``: the ids' columns where the logits cover a subset)."""
+        x = logits.float()
+        seen = self._seen([history], logits.device, columns)
+        return x if seen is None else _penalise(x[None].clone(), seen, self.params.repetition_penalty)[0]
 
     def coupled_draft_distribution(self, logits: torch.Tensor, history: Sequence[int],
                                    columns: Columns | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -243,8 +243,10 @@ def _draft_distribution(engine, logits: torch.Tensor, vocab: torch.Tensor | None
     within reach of the best (:meth:`Sampler.coupled_draft_distribution`): their tokens are verified by exact
     match, so q only has to rank candidates.  The rejection scheme weighs each draft by q over the whole
     vocabulary (zero outside the draft vocabulary), which it keeps for acceptance."""
-    if sampler.greedy:
-        return logits[-1].float().softmax(-1), vocab, None
+    if sampler.greedy:  # (with a repetition penalty, the draft ranks its tokens as the model's choice will)
+        columns = None if vocab is None else engine.draft_vocab.columns
+        x = sampler.greedy_draft_logits(logits[-1], sampler.extend(history, drafted), columns)
+        return x.softmax(-1), vocab, None
     if sampler.coupled:
         columns = None if vocab is None else engine.draft_vocab.columns
         q, cols = sampler.coupled_draft_distribution(logits[-1], sampler.extend(history, drafted), columns)
