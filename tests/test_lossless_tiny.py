@@ -139,3 +139,39 @@ def test_greedy_with_a_repetition_penalty_is_transformers_greedy_search(tiny_lla
                             ("swift", {}), ("suffix", {})):  # fmt: skip
         ours = selfspec.generate(tiny_llama, PROMPT, method, max_new_tokens=40, repetition_penalty=1.4, **options)
         assert list(ours.token_ids) == want, method
+
+
+def test_openai_presence_and_frequency_penalties_greedy_and_seeded(tiny_llama):
+    """OpenAI's penalties on the generated tokens (logit - frequency x count - presence x [count > 0]): greedy
+    output equals a hand-written greedy loop over transformers' logits, and every method gives vanilla's tokens,
+    greedy and under seeded sampling."""
+    from collections import Counter
+
+    ids = tiny_llama.encode(PROMPT)
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(32):
+            logits = tiny_llama.hf(torch.tensor([ids + out])).logits[0, -1].float()
+            for token, count in Counter(out).items():
+                logits[token] -= 0.7 * count + 0.4
+            out.append(int(logits.argmax()))
+            if out[-1] in tiny_llama.eos_token_ids:
+                break
+    assert out != hf_greedy(tiny_llama, ids, len(out)), "the penalties change this answer"
+    kw = {"presence_penalty": 0.4, "frequency_penalty": 0.7}
+    for method, options in (("vanilla", {}), ("pld", {"draft_length": 3}), ("swift", {}), ("suffix", {})):
+        ours = selfspec.generate(tiny_llama, PROMPT, method, max_new_tokens=32, **kw, **options)
+        assert list(ours.token_ids) == out, method
+    sampled = {**kw, "temperature": 0.8, "seed": 9}
+    base = selfspec.generate(tiny_llama, PROMPT, "vanilla", max_new_tokens=32, **sampled)
+    for method, options in (("pld", {"draft_length": 3}), ("swift", {}), ("asd", {"preset": "paper"})):
+        assert selfspec.generate(tiny_llama, PROMPT, method, max_new_tokens=32, **sampled, **options).token_ids \
+            == base.token_ids, method  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0}])
+def test_penalties_out_of_openais_range_are_refused(tiny_llama, bad):
+    from selfspec.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="between -2 and 2"):
+        selfspec.generate(tiny_llama, PROMPT, "vanilla", max_new_tokens=4, **bad)

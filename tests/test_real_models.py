@@ -140,7 +140,8 @@ def test_seeded_sampling_is_vanilla_samplings_tokens(name, request):
     model = request.getfixturevalue(name)
     item = _prompts(chat=model.has_chat_template)[0]
     for kw in ({"temperature": 0.7, "top_p": 0.9, "seed": 1}, {"temperature": 1.0, "seed": 2},
-               {"temperature": 0.8, "top_k": 40, "repetition_penalty": 1.2, "seed": 3}):  # fmt: skip
+               {"temperature": 0.8, "top_k": 40, "repetition_penalty": 1.2, "seed": 3},
+               {"temperature": 0.9, "frequency_penalty": 0.6, "presence_penalty": 0.2, "seed": 4}):  # fmt: skip
         base = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=32, **kw)
         for method, options in SAMPLED_METHODS:
             out = selfspec.generate(model, item.prompt, method, max_new_tokens=32, **options, **kw)
@@ -149,16 +150,19 @@ def test_seeded_sampling_is_vanilla_samplings_tokens(name, request):
         assert greedy.token_ids != base.token_ids
 
 
+@pytest.mark.parametrize("penalties", [{"repetition_penalty": 1.3},
+                                       {"frequency_penalty": 0.8, "presence_penalty": 0.3}])  # fmt: skip
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_greedy_with_a_repetition_penalty_every_method_is_vanillas(name, request):
-    """temperature 0 and a repetition penalty (applied, as transformers' greedy search applies it): every
-    method, drafts over the draft vocabulary included, gives vanilla's tokens."""
+def test_greedy_with_penalties_every_method_is_vanillas(name, penalties, request):
+    """temperature 0 with a repetition penalty (applied, as transformers' greedy search applies it) or OpenAI's
+    presence and frequency penalties: every method, drafts over the draft vocabulary included, gives vanilla's
+    tokens."""
     model = request.getfixturevalue(name)
     item = _prompts(chat=model.has_chat_template)[0]
-    base = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=40, repetition_penalty=1.3)
+    base = selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=40, **penalties)
     assert base.token_ids != selfspec.generate(model, item.prompt, "vanilla", max_new_tokens=40).token_ids
     for method, options in [*SAMPLED_METHODS, ("vocab", {}), ("lowbit", {}), ("auto", {})]:
-        out = selfspec.generate(model, item.prompt, method, max_new_tokens=40, repetition_penalty=1.3, **options)
+        out = selfspec.generate(model, item.prompt, method, max_new_tokens=40, **penalties, **options)
         assert out.token_ids == base.token_ids, (name, method)
 
 

@@ -109,6 +109,15 @@ def test_chat_equals_generate_and_vanilla(server, smollm2):
         assert other.model_extra["selfspec"]["method"] == method
 
 
+def test_openai_penalties_answer_as_generate(server, smollm2):
+    client = server.client()
+    kw = {"frequency_penalty": 0.8, "presence_penalty": 0.4}
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0, **kw)
+    want = selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=40, **kw)
+    assert out.choices[0].message.content == want.text
+    assert want.token_ids != selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=40).token_ids
+
+
 def test_streamed_chat_equals_the_plain_reply(server, smollm2):
     client = server.client()
     plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
@@ -163,7 +172,7 @@ def test_seeded_sampling_is_vanilla_samplings_tokens(server, smollm2):
         ({"messages": [{"role": "user", "content": "x " * 20000}]}, 400, "context"),
         ({"messages": CHAT, "model": "gpt-9"}, 404, "not served here"),
         ({"messages": CHAT, "selfspec": {"method": "magic"}}, 400, "not allowed"),
-        ({"messages": CHAT, "presence_penalty": 1.0}, 400, "repetition_penalty"),
+        ({"messages": CHAT, "presence_penalty": 3.0}, 400, "presence_penalty"),
     ],
 )
 def test_bad_requests_get_openai_style_errors(server, body, status, words):

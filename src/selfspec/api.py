@@ -12,7 +12,8 @@ functions start a fresh one per call.  A Session also keeps the keys and values 
 an earlier prompt and answer prefills only its new tokens, with the same output as a whole prefill.
 
 Decoding is greedy unless ``temperature`` > 0; then ``top_k``, ``top_p``,
-``min_p``, ``repetition_penalty`` and ``seed`` apply, and every method samples
+``min_p``, the penalties (``repetition_penalty``; OpenAI's ``presence_penalty``, ``frequency_penalty``, which
+apply to greedy decoding too) and ``seed`` apply, and every method samples
 exactly from the model's (warped) distribution: by default with coupled
 (Gumbel-max) sampling, where a seed fixes the very tokens whatever the method
 (see :mod:`selfspec.core.sampling`).
@@ -108,6 +109,8 @@ class Session:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         sampling_scheme: str = "coupled",
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         logprobs: int | None = None,
     ) -> GenerationResult:
         """Greedy with ``temperature`` 0 (default); else sampled.  With the default ``sampling_scheme``
@@ -115,7 +118,8 @@ class Session:
         method; "rejection" is classic speculative sampling (exact in distribution; a seed reproduces a run
         only where draft lengths do not follow measured times).  ``logprobs`` (0-20): the result also holds
         each new token's log-probability under the model and that many most likely alternatives."""
-        params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme)
+        params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme,
+                                presence_penalty, frequency_penalty)  # fmt: skip
         decoder = self._decoder(prompt, max_new_tokens, params, logprobs)
         ids = [t for new in decoder for t in new]
         self.last_result = GenerationResult(self.model.decode(ids), tuple(ids), decoder.stats,
@@ -134,11 +138,14 @@ class Session:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         sampling_scheme: str = "coupled",
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
         logprobs: int | None = None,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; ``last_result`` is set at the end (with ``logprobs``, the
         tokens' log-probabilities)."""
-        params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme)
+        params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme,
+                                presence_penalty, frequency_penalty)  # fmt: skip
         for piece in self.pieces(prompt, max_new_tokens=max_new_tokens, sampling=params, logprobs=logprobs):
             yield piece.text
 
@@ -199,7 +206,8 @@ def _token_ids(prompt: Prompt) -> bool:
     return not isinstance(prompt, str) and len(prompt) > 0 and all(isinstance(t, int) for t in prompt)
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme", "logprobs")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme",
+                 "presence_penalty", "frequency_penalty", "logprobs")  # fmt: skip
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -211,9 +219,9 @@ def generate(
     model: Model | str, prompt: Prompt, method: str = "auto", *, max_new_tokens: int = 128, **options: Any
 ) -> GenerationResult:
     """Generate with ``method`` (see ``selfspec.METHODS``); the keywords of :meth:`Session.generate`
-    (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``sampling_scheme``)
-    choose sampling (default greedy), ``logprobs`` asks for the tokens' log-probabilities; every other keyword
-    is an option of the method."""
+    (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty``, ``seed``, ``sampling_scheme``) choose sampling (default greedy), ``logprobs`` asks
+    for the tokens' log-probabilities; every other keyword is an option of the method."""
     method_options, sampling = _split(dict(options))
     session = Session(model, method, prefix_cache=0, **method_options)  # one call: nothing to reuse later
     return session.generate(prompt, max_new_tokens=max_new_tokens, **sampling)

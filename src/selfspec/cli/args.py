@@ -53,13 +53,17 @@ def spec_bench_categories(categories: str | None, datasets: list[str]) -> list[s
 
 def add_sampling_args(p: argparse.ArgumentParser, seed_help: str = "makes a sampled run reproducible",
                       seed_default: int | None = None) -> None:  # fmt: skip
-    """--temperature, --top-p, --top-k, --min-p, --repetition-penalty, --seed, --sampling-scheme."""
+    """--temperature, --top-p, --top-k, --min-p, the penalties, --seed, --sampling-scheme."""
     g = p.add_argument_group("sampling (default greedy; every method samples exactly from the model's distribution)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus cut (default 1: none)")
     g.add_argument("--top-k", type=int, default=0, help="top-k cut (default 0: none)")
     g.add_argument("--min-p", type=float, default=0.0, help="min-p cut (default 0: none)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's penalty (default 1: none)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's: subtracted from each token the output holds (-2 to 2; default 0)")  # fmt: skip
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's: times how often the output holds the token (-2 to 2; default 0)")  # fmt: skip
     g.add_argument("--seed", type=int, default=seed_default, help=seed_help)
     g.add_argument("--sampling-scheme", choices=("coupled", "rejection"), default="coupled",
                    help="coupled (default): Gumbel-max noise per output position, so a seed gives exactly vanilla "
@@ -71,17 +75,23 @@ def sampling_params(args: argparse.Namespace):
     from ..core.sampling import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.min_p, args.repetition_penalty,
-                          args.sampling_scheme)  # fmt: skip
+                          args.sampling_scheme, args.presence_penalty, args.frequency_penalty)  # fmt: skip
 
 
 def sampling_argv(args: argparse.Namespace) -> list[str]:
-    """The sampling options as command-line words (empty when greedy), to print a run's exact command."""
-    if not args.temperature:
-        return []
-    argv = ["--temperature", str(args.temperature), "--seed", str(args.seed)]
-    for flag, value, neutral in (("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0),
-                                 ("--min-p", args.min_p, 0.0), ("--repetition-penalty", args.repetition_penalty, 1.0),
-                                 ("--sampling-scheme", args.sampling_scheme, "coupled")):  # fmt: skip
-        if value != neutral:
-            argv += [flag, str(value)]
+    """The sampling options as command-line words (empty when plain greedy), to print a run's exact command."""
+    penalties = [(flag, value, neutral) for flag, value, neutral in (
+        ("--repetition-penalty", args.repetition_penalty, 1.0),
+        ("--presence-penalty", getattr(args, "presence_penalty", 0.0), 0.0),
+        ("--frequency-penalty", getattr(args, "frequency_penalty", 0.0), 0.0)) if value != neutral]  # fmt: skip
+    argv = []
+    if args.temperature:
+        argv = ["--temperature", str(args.temperature), "--seed", str(args.seed)]
+        for flag, value, neutral in (("--top-p", args.top_p, 1.0), ("--top-k", args.top_k, 0),
+                                     ("--min-p", args.min_p, 0.0), ("--sampling-scheme", args.sampling_scheme,
+                                                                    "coupled")):  # fmt: skip
+            if value != neutral:
+                argv += [flag, str(value)]
+    for flag, value, _ in penalties:  # (greedy choices take the penalties too)
+        argv += [flag, str(value)]
     return argv

@@ -265,10 +265,13 @@ class DraftVocabulary:
         return out
 
     def columns(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The subset's columns of these ids, in their order, ids outside the subset (or the vocabulary) left out."""
+        """The subset's columns of these ids, in their order; -1 for an id outside the subset (or the
+        vocabulary), so that what goes with each id (a count) stays with its column."""
         ids = token_ids.reshape(-1).to(torch.int64).cpu()
-        cols = self._column[ids[(ids >= 0) & (ids < self.vocab_size)]]
-        return cols[cols >= 0]
+        inside = (ids >= 0) & (ids < self.vocab_size)
+        cols = torch.full_like(ids, -1)
+        cols[inside] = self._column[ids[inside]]
+        return cols
 
     def token_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """Token ids of subset positions (argmax over the subset -> vocabulary ids)."""

@@ -1,8 +1,8 @@
 """Sampling: the distribution a token is drawn from, and the two exact ways of drawing it speculatively.
 
 :class:`SamplingParams` holds the temperature, the cuts (top-k, top-p, min-p),
-the repetition penalty, a seed and the *scheme*; ``temperature 0`` means greedy
-decoding.  :func:`scaled_logits` turns logits into the log-weights a token is
+the penalties (repetition; OpenAI's presence and frequency), a seed and the *scheme*; ``temperature 0``
+means greedy decoding (after the penalties).  :func:`scaled_logits` turns logits into the log-weights a token is
 drawn from (penalty, temperature, top-k, top-p, min-p, in transformers' order;
 ``-inf`` outside the kept set) and :func:`warp` into probabilities.  Every cut
 is tie-inclusive and computed row by row, so a row gives the same result alone
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ class SamplingParams:
     min_p: float = 0.0  # 0: no min-p cut
     repetition_penalty: float = 1.0  # 1: none (CTRL's penalty, as transformers applies it)
     scheme: str = "coupled"
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of each token the output holds
+    frequency_penalty: float = 0.0  # OpenAI's: times the number of times the output holds the token
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -63,6 +66,10 @@ class SamplingParams:
             raise InvalidInputError(f"min_p must be in [0, 1), got {self.min_p}")
         if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
             raise InvalidInputError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise InvalidInputError(f"{name} must be between -2 and 2 (OpenAI's range), got {value}")
         if self.scheme not in SCHEMES:
             raise InvalidInputError(f"sampling scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
 
@@ -73,7 +80,8 @@ class SamplingParams:
     def as_kwargs(self) -> dict:
         """These parameters as the keywords of :meth:`selfspec.api.Session.generate` (and ``selfspec.generate``)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                "repetition_penalty": self.repetition_penalty, "seed": self.seed, "sampling_scheme": self.scheme}
+                "repetition_penalty": self.repetition_penalty, "seed": self.seed, "sampling_scheme": self.scheme,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
 
     @property
     def coupled(self) -> bool:
@@ -86,7 +94,8 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return self.repetition_penalty != 1.0
+        """Whether a token's weight depends on the history (a repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         gen = torch.Generator(device=device)
@@ -99,8 +108,20 @@ class SamplingParams:
 
 GREEDY = SamplingParams()
 
-Seen = Sequence[torch.Tensor] | None  # per row: the token ids of its history (for the repetition penalty)
-Columns = Callable[[torch.Tensor], torch.Tensor]  # token ids -> their columns in a subset's logits (absent: dropped)
+@dataclass(frozen=True)
+class RowHistory:
+    """What the penalties read of one row's history: every distinct id of it, prompt and output (the
+    repetition penalty's, as transformers'), and the output's distinct ids with their counts (OpenAI's
+    presence and frequency penalties, on the generated tokens alone, as vLLM applies them)."""
+
+    ids: torch.Tensor
+    out_ids: torch.Tensor
+    out_counts: torch.Tensor  # float32
+
+
+# per row: a RowHistory, or a tensor of the history's ids (the repetition penalty alone)
+Seen = Sequence[RowHistory | torch.Tensor] | None
+Columns = Callable[[torch.Tensor], torch.Tensor]  # token ids -> their columns in a subset's logits (-1: absent)
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
@@ -123,8 +144,8 @@ def scaled_logits(logits: torch.Tensor, params: SamplingParams, seen: Seen = Non
     x = logits.float()
     if params.penalised:
         if seen is None:
-            raise ValueError("a repetition penalty needs each row's history")
-        x = _penalise(x.clone(), seen, params.repetition_penalty)
+            raise ValueError("a penalty needs each row's history")
+        x = _penalise(x.clone(), seen, params)
     return cut(x / params.temperature, params)
 
 
@@ -146,14 +167,20 @@ def warp(logits: torch.Tensor, params: SamplingParams, seen: Seen = None) -> tor
     return scaled_logits(logits, params, seen).softmax(-1)
 
 
-def _penalise(x: torch.Tensor, seen: Sequence[torch.Tensor], penalty: float) -> torch.Tensor:
+def _penalise(x: torch.Tensor, seen: Sequence[RowHistory | torch.Tensor], params: SamplingParams) -> torch.Tensor:
+    """``x`` (rows of logits, changed in place) with the penalties applied: the repetition penalty first, then
+    the frequency and presence ones (vLLM's order)."""
     rows = x.reshape(-1, x.shape[-1])
     if len(seen) != rows.shape[0]:
         raise ValueError(f"{len(seen)} histories for {rows.shape[0]} rows")
-    for row, ids in zip(rows, seen, strict=True):
-        if ids.numel():
+    penalty, presence, frequency = params.repetition_penalty, params.presence_penalty, params.frequency_penalty
+    for row, h in zip(rows, seen, strict=True):
+        ids = h if isinstance(h, torch.Tensor) else h.ids
+        if penalty != 1.0 and ids.numel():
             v = row[ids]
             row[ids] = torch.where(v < 0, v * penalty, v / penalty)
+        if (presence or frequency) and not isinstance(h, torch.Tensor) and h.out_ids.numel():
+            row[h.out_ids] -= frequency * h.out_counts.to(row.device) + presence
     return x
 
 
@@ -370,8 +397,19 @@ class Sampler:
         a subset of the vocabulary (``columns`` maps ids to the subset's columns, dropping ids outside it)."""
         if not self.params.penalised:
             return None
-        seen = [torch.tensor(sorted(set(h)), dtype=torch.long, device=device) for h in histories]
-        return seen if columns is None else [columns(ids) for ids in seen]
+        seen = []
+        for h in histories:
+            ids = torch.tensor(sorted(set(h)), dtype=torch.long, device=device)
+            counts = Counter(h[self.prompt_len :])
+            out_ids = torch.tensor(list(counts), dtype=torch.long, device=device)
+            out_counts = torch.tensor(list(counts.values()), dtype=torch.float32, device=device)
+            if columns is not None:
+                ids = columns(ids)
+                ids = ids[ids >= 0]
+                out_ids = columns(out_ids)
+                out_ids, out_counts = out_ids[out_ids >= 0], out_counts[out_ids >= 0]
+            seen.append(RowHistory(ids, out_ids, out_counts))
+        return seen
 
     # -- the full model ------------------------------------------------------------------------
     def choose(self, logits: torch.Tensor, positions: Sequence[int], histories: Sequence[Sequence[int]]) -> list[int]:
@@ -379,12 +417,11 @@ class Sampler:
         log-weights plus the position's noise (coupled).  Not for the rejection scheme."""
         seen = self._seen(histories, logits.device)
         if self.greedy:  # the penalty applies to greedy choices too, as in transformers' greedy search
-            return argmax_rows(logits if seen is None else _penalise(logits.float().clone(), seen,
-                                                                     self.params.repetition_penalty))  # fmt: skip
+            return argmax_rows(logits if seen is None else _penalise(logits.float().clone(), seen, self.params))
         assert self.noise is not None, "the rejection scheme samples during acceptance"
         x = logits.float()
         if seen is not None:
-            x = _penalise(x.clone(), seen, self.params.repetition_penalty)
+            x = _penalise(x.clone(), seen, self.params)
         if self.noise.whole_rows:
             g = torch.stack([self.noise.vector(t) for t in positions])
             return argmax_rows(cut(x / self.params.temperature, self.params) + g)
@@ -428,7 +465,7 @@ class Sampler:
         repetition penalty where one is set (``columns``: the ids' columns where the logits cover a subset)."""
         x = logits.float()
         seen = self._seen([history], logits.device, columns)
-        return x if seen is None else _penalise(x[None].clone(), seen, self.params.repetition_penalty)[0]
+        return x if seen is None else _penalise(x[None].clone(), seen, self.params)[0]
 
     def coupled_draft_distribution(self, logits: torch.Tensor, history: Sequence[int],
                                    columns: Columns | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -439,7 +476,7 @@ class Sampler:
         x = logits.float()[None]
         seen = self._seen([history], logits.device, columns)
         if seen is not None:
-            x = _penalise(x.clone(), seen, self.params.repetition_penalty)
+            x = _penalise(x.clone(), seen, self.params)
         cols = (x[0] >= x.max() - REACH * self.params.temperature).nonzero().squeeze(1)
         return cut(x[0, cols] / self.params.temperature, self.params).softmax(-1), cols
 

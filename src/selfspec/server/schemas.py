@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI endpoints we serve, validated strictly, and the errors they answer with.
 
 Unknown fields are refused (a typo must not be silently ignored); fields of the
-OpenAI schema that we do not implement (``tools``, ``response_format``, ``suffix``, ``best_of``,
-penalties other than 0) are refused with a message saying so, unless they ask
+OpenAI schema that we do not implement (``tools``, ``response_format``, ``suffix``, ``best_of``)
+are refused with a message saying so, unless they ask
 for nothing: many clients send every field with its default (``"logprobs":
 false``, ``"tools": []``, ``"response_format": {"type": "text"}``, null), and
 those requests are answered as without them.  Our own
@@ -98,15 +98,16 @@ class _Common(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
     selfspec: SelfspecOptions | None = None
 
     def sampling(self) -> SamplingParams:
         scheme = (self.selfspec.sampling_scheme if self.selfspec else None) or "coupled"
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.min_p,
-                              self.repetition_penalty, scheme)  # fmt: skip
+                              self.repetition_penalty, scheme, self.presence_penalty,
+                              self.frequency_penalty)  # fmt: skip
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -119,9 +120,6 @@ class _Common(BaseModel):
         raise NotImplementedError
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name} is not supported; use repetition_penalty", param=name)
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options needs stream=true", param="stream_options")
 
