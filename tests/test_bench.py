@@ -235,6 +235,26 @@ def test_coupled_sampling_runs_are_judged_lossless_rejection_runs_are_not(model)
         run_benchmark(model, PROMPTS[:1], "asd:sampling_scheme=fancy", max_new_tokens=4, warmup=0, sampling=sampling)
 
 
+def test_greedy_with_a_repetition_penalty_is_judged_against_transformers_too(model):
+    """Greedy choices take the repetition penalty (ours and transformers' greedy search alike): every column,
+    the hf peer's included, is judged and identical; the report says greedy with the penalty."""
+    from selfspec.bench.report import sampling_text
+    from selfspec.core.sampling import SamplingParams
+
+    penalised = run_benchmark(model, PROMPTS[:2], "asd:preset=paper@asd,pld,hf", max_new_tokens=16, warmup=0,
+                              sampling=SamplingParams(repetition_penalty=1.3))  # fmt: skip
+    assert {(r.method, r.identical_to_vanilla) for r in penalised.records} == {
+        ("vanilla", True), ("asd", True), ("pld", True), ("hf", True)}  # fmt: skip
+    plain = run_benchmark(model, PROMPTS[:2], "pld", max_new_tokens=16, warmup=0)
+    assert [r.token_ids for r in plain.records] != [r.token_ids for r in penalised.records if r.method in
+                                                    ("vanilla", "pld")]  # fmt: skip
+    assert sampling_text(summarize(penalised).config) == "greedy (repetition penalty 1.3)"
+    openai = run_benchmark(model, PROMPTS[:1], "hf", max_new_tokens=4, warmup=0,
+                           sampling=SamplingParams(frequency_penalty=0.5))  # fmt: skip
+    failed = next(r for r in openai.records if r.method == "hf")
+    assert not failed.ok and "no presence or frequency penalty" in failed.error
+
+
 def test_a_failing_method_is_recorded_and_the_run_goes_on(model, monkeypatch):
     real_call = bench_runner._Runner.call
 

@@ -168,12 +168,14 @@ def run(model, options: dict[str, Any], prompt_ids: list[int], max_new_tokens: i
         _SERVERS[key] = _Server(binary, gguf, threads, context=min(model.max_context, 8192), spec=spec)
     body: dict[str, Any] = {"prompt": list(prompt_ids), "n_predict": max_new_tokens, "cache_prompt": False,
                             "return_tokens": True, "stream": False}  # fmt: skip
+    # the penalties (llama.cpp's repeat penalty reads its last 64 tokens, ours the whole history: not the same)
+    body.update(repeat_penalty=sampling.repetition_penalty, presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty)  # fmt: skip
     if sampling.greedy:
         body.update(temperature=0.0, top_k=1)
     else:
         body.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                    min_p=sampling.min_p, repeat_penalty=sampling.repetition_penalty,
-                    seed=-1 if sampling.seed is None else sampling.seed)  # fmt: skip
+                    min_p=sampling.min_p, seed=-1 if sampling.seed is None else sampling.seed)  # fmt: skip
     out = _SERVERS[key].complete(body)
     ids = [int(t) for t in out.get("tokens", [])]
     eos = model.eos_token_ids

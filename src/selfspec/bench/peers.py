@@ -115,8 +115,12 @@ def _count_forwards(model: Model) -> Iterator[_Counter]:
 
 
 def _sampling_kwargs(sampling: SamplingParams) -> dict:
-    if sampling.greedy:
-        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        raise InvalidInputError("transformers' generate has no presence or frequency penalty: the hf peers cannot "
+                                "run with --presence-penalty / --frequency-penalty")  # fmt: skip
+    if sampling.greedy:  # (transformers' greedy search applies the repetition penalty, as ours does)
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None,
+                "repetition_penalty": sampling.repetition_penalty}  # fmt: skip
     # top_k 0 switches transformers' top-k off (None would fall back to the model's default, often 50)
     return {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
             "min_p": sampling.min_p or None, "repetition_penalty": sampling.repetition_penalty}

@@ -155,6 +155,10 @@ def sampling_text(config: dict[str, Any]) -> str:
     cuts += f", top-k {s['top_k']}" if s.get("top_k") else ""
     cuts += f", min-p {s['min_p']}" if s.get("min_p") else ""
     cuts += f", repetition penalty {s['repetition_penalty']}" if s.get("repetition_penalty", 1.0) != 1.0 else ""
+    cuts += f", presence penalty {s['presence_penalty']}" if s.get("presence_penalty") else ""
+    cuts += f", frequency penalty {s['frequency_penalty']}" if s.get("frequency_penalty") else ""
+    if not s.get("temperature"):
+        return f"greedy ({cuts[2:]})"
     scheme = s.get("scheme", "coupled")
     return f"sampling (temperature {s['temperature']}{cuts}, {scheme} scheme, seed {s.get('seed')} + prompt index)"
 
@@ -193,7 +197,7 @@ def markdown_report(summary: BenchSummary) -> str:
         "count as verify). Peak RSS: process resident-set high-water mark during each call "
         f"({cfg.get('memory_probe')}), max over prompts; +delta = peak minus RSS at the call's start. "
         "Lossless = every output token-identical to vanilla's"
-        + (_lossless_under_sampling(cfg["sampling"]) if cfg.get("sampling") else "")
+        + (_lossless_under_sampling(cfg["sampling"]) if (cfg.get("sampling") or {}).get("temperature") else "")
         + ". Peers (hf*) are counted with forward hooks.",
     ]
     lines += _sources_table(summary)

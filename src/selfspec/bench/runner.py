@@ -144,10 +144,7 @@ class _Runner:
             tokens, stats = run_peer(self.model, method, ids, self.max_new_tokens, sampling)
             return tuple(tokens), self.model.decode(tokens), stats.to_dict()
         assert session is not None
-        s = sampling
-        result = session.generate(prompt, max_new_tokens=self.max_new_tokens, temperature=s.temperature,
-                                  top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-                                  seed=s.seed, sampling_scheme=s.scheme)  # fmt: skip
+        result = session.generate(prompt, max_new_tokens=self.max_new_tokens, **sampling.as_kwargs())
         return tuple(result.token_ids), result.text, result.stats.to_dict()
 
     def drafts_with_vocabulary(self, method: BenchMethod) -> bool:

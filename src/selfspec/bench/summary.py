@@ -363,7 +363,7 @@ def summarize(
         "memory_probe": result.memory_probe,
         "methods": [m.to_dict() for m in result.methods],
         "baseline": result.baseline.label,
-        "sampling": None if result.sampling.greedy else asdict(result.sampling),
+        "sampling": None if result.sampling.greedy and not result.sampling.penalised else asdict(result.sampling),
         **(meta or {}),
     }
     return BenchSummary(

@@ -259,7 +259,8 @@ def _bench_load(args: argparse.Namespace, methods, names: list[str], started, ou
 
     if args.stream or len(names) != 1:
         raise InvalidInputError("--clients takes one --dataset, not --stream")
-    if args.turns != 1 or not sampling_params(args).greedy:
+    plain = sampling_params(args)
+    if args.turns != 1 or not plain.greedy or plain.penalised:
         raise InvalidInputError("--clients runs greedy first turns (no --turns 2, no sampling options)")
     model = load_model(args)  # its errors before any server starts; its tokenizer says chat or text
     prompts = load_prompts(names[0], limit=args.limit, chat=model.has_chat_template, offset=args.offset,
