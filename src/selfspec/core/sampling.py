@@ -403,10 +403,10 @@ class Sampler:
             counts = Counter(h[self.prompt_len :])
             out_ids = torch.tensor(list(counts), dtype=torch.long, device=device)
             out_counts = torch.tensor(list(counts.values()), dtype=torch.float32, device=device)
-            if columns is not None:
-                ids = columns(ids)
+            if columns is not None:  # (columns come from the CPU: moved to the logits' device)
+                ids = columns(ids).to(device)
                 ids = ids[ids >= 0]
-                out_ids = columns(out_ids)
+                out_ids = columns(out_ids).to(device)
                 out_ids, out_counts = out_ids[out_ids >= 0], out_counts[out_ids >= 0]
             seen.append(RowHistory(ids, out_ids, out_counts))
         return seen

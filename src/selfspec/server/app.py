@@ -95,7 +95,29 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "selfspec"}]}
 
-    # the tokenizer, as vLLM serves it (evaluation harnesses and clients that count tokens use these)
+    _tokenizer_routes(app, worker, limits)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return HTMLResponse(resources.files(__package__).joinpath("playground.html").read_text())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = _parse(ChatRequest, await _json(request, limits))
+        return await _complete(worker, limits, request, body, [body.prompt()], chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = _parse(CompletionRequest, await _json(request, limits))
+        return await _complete(worker, limits, request, body, body.prompts(), chat=False)
+
+    return app
+
+
+def _tokenizer_routes(app: FastAPI, worker: Worker, limits: Limits) -> None:
+    """The tokenizer, as vLLM serves it (evaluation harnesses and clients that count tokens use these)."""
+    model_name = worker.model.name
+
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return {**worker.model.tokenizer_info(), "model_max_length": worker.model.max_context,
@@ -127,22 +149,6 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
         except InvalidInputError as exc:
             raise ApiError(400, str(exc), param="tokens") from None
         return {"prompt": worker.model.decode(body.tokens, skip_special=False)}
-
-    @app.get("/", response_class=HTMLResponse)
-    async def playground():
-        return HTMLResponse(resources.files(__package__).joinpath("playground.html").read_text())
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = _parse(ChatRequest, await _json(request, limits))
-        return await _complete(worker, limits, request, body, [body.prompt()], chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = _parse(CompletionRequest, await _json(request, limits))
-        return await _complete(worker, limits, request, body, body.prompts(), chat=False)
-
-    return app
 
 
 async def _complete(worker: Worker, limits: Limits, request: Request, body, prompts: list[Any], *, chat: bool):
