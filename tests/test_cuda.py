@@ -111,3 +111,25 @@ def test_the_cli_generates_on_cuda(tmp_path, capsys):
     assert main([*args, "--method", "auto", "--compare", "--json"]) in (0, None)
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["identical"] and len(report["token_ids"]) == 8
+
+
+def test_penalties_and_logprobs_on_cuda():
+    """Greedy and seeded sampling with the repetition, presence and frequency penalties keep vanilla's tokens
+    on the GPU (the penalties' histories built on the logits' device); log-probabilities are reported for every
+    token, a speculative method's close to vanilla's (rows of a verification pass round as a GPU's kernels do),
+    and the prompt's are scored.  float32: in bfloat16 a verification pass's rows may round apart from one-token
+    steps' (on a CPU, this test's bfloat16 twin once parted at a near-tie)."""
+    from selfspec.decoding.logprobs import prompt_logprobs
+
+    model = _cuda_model("llama", torch.float32)
+    kw = {"repetition_penalty": 1.2, "presence_penalty": 0.3, "frequency_penalty": 0.5}
+    for extra in ({}, {"temperature": 0.8, "seed": 5}):
+        base = selfspec.generate(model, "Hello there", "vanilla", max_new_tokens=24, logprobs=2, **kw, **extra)
+        for method in ("pld", "swift", "asd"):
+            got = selfspec.generate(model, "Hello there", method, max_new_tokens=24, logprobs=2, **kw, **extra)
+            assert got.token_ids == base.token_ids, (method, extra)
+            assert len(got.logprobs) == len(got.token_ids)
+            assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in base.logprobs], abs=1e-3)
+    ids = model.encode("Hello there, general")
+    scored = prompt_logprobs(model, ids, top=1)
+    assert len(scored) == len(ids) and scored[0].logprob is None and all(e.logprob <= 0 for e in scored[1:])
