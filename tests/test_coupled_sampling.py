@@ -30,6 +30,8 @@ SETTINGS = {
     "t0.7-topp0.9": {"temperature": 0.7, "top_p": 0.9},
     "t1.0": {"temperature": 1.0},
     "t1.2-topk20-minp-penalty": {"temperature": 1.2, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3},
+    "t0.9-bias-presence-frequency": {"temperature": 0.9, "logit_bias": {10: 3.0, 11: -5.0, 12: 1.5},
+                                     "presence_penalty": 0.5, "frequency_penalty": 0.3},  # OpenAI's
 }
 
 METHODS = [
@@ -245,3 +247,23 @@ def test_a_row_is_cut_alike_alone_and_in_a_batch():
 def test_bad_sampling_options_are_clear_errors(model, kwargs, message):
     with pytest.raises(InvalidInputError, match=message):
         selfspec.generate(model, "hi", "pld", max_new_tokens=4, **kwargs)
+
+
+def test_logit_bias_is_added_before_the_penalties_and_the_temperature():
+    """OpenAI's logit_bias: added to the logits, then the penalties, then temperature and cuts; a draft over a
+    subset of the vocabulary sees the bias at its columns; ids outside the vocabulary or biases outside
+    [-100, 100] are refused."""
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    params = SamplingParams(0.5, logit_bias={0: 4.0, 3: -1.0})
+    assert params.logit_bias == ((0, 4.0), (3, -1.0))
+    assert torch.equal(scaled_logits(logits, params), torch.tensor([[10.0, 4.0, 6.0, -1.0]]))
+    both = SamplingParams(1.0, repetition_penalty=2.0, logit_bias={1: 1.0})
+    assert torch.equal(scaled_logits(logits, both, [torch.tensor([1])]), torch.tensor([[1.0, 1.5, 3.0, 0.5]]))
+    greedy = Sampler(SamplingParams(logit_bias={3: 5.0}), 4)
+    assert greedy.choose(logits, [0], [[]]) == [3]
+    columns = lambda ids: torch.tensor([{3: 0, 2: 1}.get(int(i), -1) for i in ids])  # noqa: E731 (subset: 3, 2)
+    assert torch.equal(greedy.greedy_draft_logits(torch.tensor([0.5, 3.0]), [], columns), torch.tensor([5.5, 3.0]))
+    with pytest.raises(InvalidInputError, match="vocabulary"):
+        Sampler(SamplingParams(logit_bias={4: 1.0}), 4)
+    with pytest.raises(InvalidInputError, match="between -100 and 100"):
+        SamplingParams(logit_bias={1: -101.0})

@@ -169,6 +169,27 @@ def test_openai_presence_and_frequency_penalties_greedy_and_seeded(tiny_llama):
             == base.token_ids, method  # fmt: skip
 
 
+def test_greedy_with_a_logit_bias_is_the_biased_argmax(tiny_llama):
+    """OpenAI's logit_bias at temperature 0: the argmax of the biased logits (a hand-written loop over
+    transformers' logits), every method alike."""
+    ids = tiny_llama.encode(PROMPT)
+    plain = hf_greedy(tiny_llama, ids, 24)
+    bias = {plain[0]: -100.0, plain[3]: -30.0, 7: 2.5}
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(24):
+            logits = tiny_llama.hf(torch.tensor([ids + out])).logits[0, -1].float()
+            for token, b in bias.items():
+                logits[token] += b
+            out.append(int(logits.argmax()))
+            if out[-1] in tiny_llama.eos_token_ids:
+                break
+    assert out != plain[: len(out)]
+    for method, options in (("vanilla", {}), ("pld", {"draft_length": 3}), ("swift", {}), ("asd", {"preset": "paper"})):
+        assert list(selfspec.generate(tiny_llama, PROMPT, method, max_new_tokens=24, logit_bias=bias,
+                                      **options).token_ids) == out, method  # fmt: skip
+
+
 @pytest.mark.parametrize("bad", [{"presence_penalty": 2.5}, {"frequency_penalty": -3.0}])
 def test_penalties_out_of_openais_range_are_refused(tiny_llama, bad):
     from selfspec.errors import InvalidInputError

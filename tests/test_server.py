@@ -109,13 +109,21 @@ def test_chat_equals_generate_and_vanilla(server, smollm2):
         assert other.model_extra["selfspec"]["method"] == method
 
 
-def test_openai_penalties_answer_as_generate(server, smollm2):
+def test_openai_penalties_and_logit_bias_answer_as_generate(server, smollm2):
     client = server.client()
     kw = {"frequency_penalty": 0.8, "presence_penalty": 0.4}
     out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0, **kw)
     want = selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=40, **kw)
     assert out.choices[0].message.content == want.text
     assert want.token_ids != selfspec.generate(smollm2, CHAT, "vanilla", max_new_tokens=40).token_ids
+    banned = {str(want.token_ids[0]): -100, str(want.token_ids[1]): -100}
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0, logit_bias=banned)
+    want = selfspec.generate(smollm2, CHAT, "pld", max_new_tokens=20, logit_bias={int(k): v for k, v in banned.items()})
+    assert out.choices[0].message.content == want.text and want.token_ids[0] != int(next(iter(banned)))
+    for bias, words in (({"x": 1}, "not a token id"), ({"99999999": 1}, "vocabulary"), ({"5": 200}, "-100 and 100")):
+        code, reply = post(f"{server.url}/v1/chat/completions",
+                           json.dumps({"messages": CHAT, "max_tokens": 4, "logit_bias": bias}).encode())  # fmt: skip
+        assert code == 400 and words in reply["error"]["message"], reply
 
 
 def test_streamed_chat_equals_the_plain_reply(server, smollm2):

@@ -54,6 +54,7 @@ class SamplingParams:
     scheme: str = "coupled"
     presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of each token the output holds
     frequency_penalty: float = 0.0  # OpenAI's: times the number of times the output holds the token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, added to its logit), sorted by id
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -70,6 +71,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not (-2.0 <= value <= 2.0):
                 raise InvalidInputError(f"{name} must be between -2 and 2 (OpenAI's range), got {value}")
+        if isinstance(self.logit_bias, dict):  # a mapping as OpenAI's requests give it: stored sorted, hashable
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidInputError(f"logit_bias: {token!r} is not a token id")
+            if not (-100.0 <= bias <= 100.0):
+                raise InvalidInputError(f"logit_bias of token {token} must be between -100 and 100, got {bias}")
         if self.scheme not in SCHEMES:
             raise InvalidInputError(f"sampling scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
 
@@ -81,7 +89,8 @@ class SamplingParams:
         """These parameters as the keywords of :meth:`selfspec.api.Session.generate` (and ``selfspec.generate``)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "repetition_penalty": self.repetition_penalty, "seed": self.seed, "sampling_scheme": self.scheme,
-                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "logit_bias": dict(self.logit_bias)}
 
     @property
     def coupled(self) -> bool:
@@ -91,6 +100,11 @@ class SamplingParams:
     def cuts(self) -> bool:
         """Whether top-k, top-p or min-p removes tokens (else every token keeps its weight)."""
         return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the logits are changed before the choice (a logit bias or a penalty)."""
+        return bool(self.logit_bias) or self.penalised
 
     @property
     def penalised(self) -> bool:
@@ -141,12 +155,30 @@ def scaled_logits(logits: torch.Tensor, params: SamplingParams, seen: Seen = Non
     ``seen``: per row, the ids of the tokens in that row's history (prompt and
     output before it); needed when a repetition penalty is set.
     """
-    x = logits.float()
+    x = _biased(logits.float(), params)
     if params.penalised:
         if seen is None:
             raise ValueError("a penalty needs each row's history")
         x = _penalise(x.clone(), seen, params)
     return cut(x / params.temperature, params)
+
+
+def _biased(x: torch.Tensor, params: SamplingParams, columns: Columns | None = None) -> torch.Tensor:
+    """``x`` (float32 logits ``[..., V]``) with OpenAI's ``logit_bias`` added (a new tensor; ``x`` itself when
+    there is none); ``columns``: the ids' columns where ``x`` covers a subset of the vocabulary."""
+    if not params.logit_bias:
+        return x
+    ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+    values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+    if columns is not None:
+        ids = columns(ids)
+        ids, values = ids[ids >= 0], values[ids >= 0]
+    else:
+        inside = ids < x.shape[-1]
+        ids, values = ids[inside], values[inside]
+    x = x.clone()
+    x[..., ids.to(x.device)] += values.to(x.device)
+    return x
 
 
 def cut(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -360,6 +392,9 @@ class Sampler:
     def __init__(self, params: SamplingParams, vocab_size: int = 0, *, prompt_len: int = 0,
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.params, self.prompt_len = params, prompt_len
+        if vocab_size > 0 and params.logit_bias and params.logit_bias[-1][0] >= vocab_size:
+            raise InvalidInputError(f"logit_bias: token id {params.logit_bias[-1][0]} is not in the model's "
+                                    f"vocabulary (ids 0 to {vocab_size - 1})")  # fmt: skip
         self.generator: torch.Generator | None = None
         self.noise: PositionNoise | None = None
         if params.greedy:
@@ -416,12 +451,14 @@ class Sampler:
         """The full model's token after each row of ``logits`` ``[T, V]``: argmax (greedy) or argmax of the
         log-weights plus the position's noise (coupled).  Not for the rejection scheme."""
         seen = self._seen(histories, logits.device)
-        if self.greedy:  # the penalty applies to greedy choices too, as in transformers' greedy search
-            return argmax_rows(logits if seen is None else _penalise(logits.float().clone(), seen, self.params))
-        assert self.noise is not None, "the rejection scheme samples during acceptance"
-        x = logits.float()
+        if self.greedy and not self.params.adjusted:
+            return argmax_rows(logits)
+        x = _biased(logits.float(), self.params)
         if seen is not None:
             x = _penalise(x.clone(), seen, self.params)
+        if self.greedy:  # the bias and the penalties apply to greedy choices too (transformers' greedy search)
+            return argmax_rows(x)
+        assert self.noise is not None, "the rejection scheme samples during acceptance"
         if self.noise.whole_rows:
             g = torch.stack([self.noise.vector(t) for t in positions])
             return argmax_rows(cut(x / self.params.temperature, self.params) + g)
@@ -461,9 +498,9 @@ class Sampler:
 
     def greedy_draft_logits(self, logits: torch.Tensor, history: Sequence[int],
                             columns: Columns | None = None) -> torch.Tensor:  # fmt: skip
-        """A greedy draft's logits ``[V']`` (float32) as the full model's choice will weigh them: with the
-        repetition penalty where one is set (``columns``: the ids' columns where the logits cover a subset)."""
-        x = logits.float()
+        """A greedy draft's logits ``[V']`` (float32) as the full model's choice will weigh them: with the logit
+        bias and the penalties where set (``columns``: the ids' columns where the logits cover a subset)."""
+        x = _biased(logits.float(), self.params, columns)
         seen = self._seen([history], logits.device, columns)
         return x if seen is None else _penalise(x[None].clone(), seen, self.params)[0]
 
@@ -473,7 +510,7 @@ class Sampler:
         REACH of the best log-weight (after the penalty), warped among themselves.  A draft only proposes (its
         tokens are verified by exact match), so narrowing it costs nothing but the rare far-off proposal, and
         spares the cut and the noise a pass over a 16-30k-token draft vocabulary (~0.2 ms a step)."""
-        x = logits.float()[None]
+        x = _biased(logits.float(), self.params, columns)[None]
         seen = self._seen([history], logits.device, columns)
         if seen is not None:
             x = _penalise(x.clone(), seen, self.params)

@@ -307,7 +307,7 @@ class Decoder:
                                      batcher=self._batcher)  # fmt: skip
         self._reused = pf.reused
         self._sampler = Sampler(self.sampling, pf.last_logits.shape[-1], prompt_len=S, device=self.model.engine.device)
-        plain = self.sampling.greedy and not self.sampling.penalised  # the prefill's argmax is the first token
+        plain = self.sampling.greedy and not self.sampling.adjusted  # the prefill's argmax is the first token
         token = pf.first_token if plain else self._sampler.next_token(pf.last_logits, pf.prompt_ids)
         pf.cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
         return pf, token

@@ -167,6 +167,9 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
                        param="max_tokens")  # fmt: skip
     try:
         sampling = body.sampling()
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= worker.model.adapter.vocab_size:
+            raise ApiError(400, f"logit_bias: token id {sampling.logit_bias[-1][0]} is not in the model's vocabulary",
+                           param="logit_bias")  # fmt: skip
         every_ids = []
         for prompt in prompts:
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):

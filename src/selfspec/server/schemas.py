@@ -58,7 +58,7 @@ class StreamOptions(BaseModel):
 UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "suffix": (None, ""),
     "best_of": (None, 1), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None, {}),
@@ -100,14 +100,20 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias, -100 to 100
     user: str | None = None
     selfspec: SelfspecOptions | None = None
 
     def sampling(self) -> SamplingParams:
         scheme = (self.selfspec.sampling_scheme if self.selfspec else None) or "coupled"
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id", param="logit_bias")
+            bias[int(key)] = value
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.min_p,
                               self.repetition_penalty, scheme, self.presence_penalty,
-                              self.frequency_penalty)  # fmt: skip
+                              self.frequency_penalty, bias)  # fmt: skip
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
