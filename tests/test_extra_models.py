@@ -206,3 +206,17 @@ def test_qwen_untied_embedding_stays_in_the_file(qwen):
     finally:
         emb.qweight = table
     assert mapped == repacked and all(len(t) > 8 for t in mapped)
+
+
+@needs_qwen
+@pytest.mark.slow
+def test_qwen_fills_in_the_middle_losslessly(qwen):
+    """A code model's fill-in-the-middle prompt (prefix, suffix, then the middle it generates), every method
+    giving vanilla's middle; a model without the tokens is refused with the reason."""
+    ids = qwen.fill_in_middle("def area(radius):\n    ", "\n\nprint(area(2.0))\n")
+    pre, suf, mid = qwen.fim_ids
+    assert ids[0] == pre and ids[-1] == mid and ids.count(suf) == 1
+    base = selfspec.generate(qwen, ids, "vanilla", max_new_tokens=32)
+    assert base.text.strip(), "the model writes a middle"
+    for method in ("auto", "pld", "vocab"):
+        assert selfspec.generate(qwen, ids, method, max_new_tokens=32).token_ids == base.token_ids, method

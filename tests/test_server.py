@@ -311,6 +311,20 @@ def test_the_tokenizer_endpoints_agree_with_the_model(server, smollm2):
         assert code in (400, 404) and words in reply["error"]["message"], reply
 
 
+def test_a_suffix_needs_a_model_with_fill_in_the_middle_tokens(server, smollm2):
+    """``suffix`` (fill in the middle): SmolLM2 has no such tokens, so a clear 400; token-id prompts or echo with
+    a suffix are refused; an empty suffix asks for nothing (tests/test_extra_models.py fills on Qwen2.5-Coder)."""
+    for body, words in (({"prompt": "def f(x):", "suffix": "\n    return y"}, "no fill-in-the-middle tokens"),
+                        ({"prompt": [[1, 2, 3]], "suffix": "x"}, "text prompts"),
+                        ({"prompt": "a", "suffix": "x", "echo": True}, "without echo")):  # fmt: skip
+        code, reply = post(f"{server.url}/v1/completions", json.dumps({**body, "max_tokens": 4}).encode())
+        assert code == 400 and words in reply["error"]["message"], reply
+    code, reply = post(f"{server.url}/v1/completions", json.dumps({"prompt": "Hello", "suffix": "", "max_tokens": 4,
+                                                                   "temperature": 0}).encode())  # fmt: skip
+    assert code == 200 and reply["choices"][0]["text"] == selfspec.generate(smollm2, "Hello", "vanilla",
+                                                                            max_new_tokens=4).text  # fmt: skip
+
+
 def test_n_choices_are_the_seeds_one_after_another(server, smollm2):
     """``n``: choice i of a seeded request samples with seed + i (choice 0 is the request's answer with n=1);
     greedy, every choice is the same answer; streamed, the chunks of each index spell its choice."""

@@ -117,6 +117,8 @@ BUILTINS: dict[str, BuiltinModel] = {
 END_OF_TURN_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                                "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<|fim_pad|>", "<|repo_name|>",
                                "<|file_sep|>"})  # fmt: skip
+FIM_TOKENS_PIPED = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen2.5-Coder, CodeGemma's own
+FIM_TOKENS_PLAIN = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # StarCoder and its kin
 
 
 @dataclass
@@ -239,6 +241,28 @@ class Model:
             raise InvalidInputError(f"model '{self.name}' has no chat template; pass the prompt as raw text")
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)  # fmt: skip
+
+    @cached_property
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The ids of the model's fill-in-the-middle tokens (prefix, suffix, middle), where its vocabulary has
+        them (Qwen2.5-Coder's ``<|fim_prefix|>``..., StarCoder's ``<fim_prefix>``...); None where it has none."""
+        vocab = self.tokenizer.get_added_vocab() if hasattr(self.tokenizer, "get_added_vocab") else {}
+        for names in (FIM_TOKENS_PIPED, FIM_TOKENS_PLAIN):
+            if all(n in vocab for n in names):
+                return tuple(vocab[n] for n in names)  # type: ignore[return-value]
+        return None
+
+    def fill_in_middle(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt that asks the model for the text between ``prefix`` and ``suffix`` (prefix-suffix-middle,
+        the order its fill-in-the-middle training used): generate from these ids, the answer is the middle.
+        Refused, with the reason, on a model without fill-in-the-middle tokens."""
+        if self.fim_ids is None:
+            raise InvalidInputError(f"model '{self.name}' has no fill-in-the-middle tokens; a suffix needs a code "
+                                    "model trained for it (e.g. qwen2.5-coder-0.5b)")  # fmt: skip
+        pre, suf, mid = self.fim_ids
+        lead = self.tokenize("", add_special_tokens=True)  # a BOS where the tokenizer puts one
+        return [*lead, pre, *self.tokenize(prefix, add_special_tokens=False), suf,
+                *self.tokenize(suffix, add_special_tokens=False), mid]  # fmt: skip
 
     def tokenizer_info(self) -> dict[str, str | None]:
         """The tokenizer's BOS, EOS and padding tokens as text and its chat template (None where it has none)."""

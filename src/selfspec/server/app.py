@@ -171,16 +171,20 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
             raise ApiError(400, f"logit_bias: token id {sampling.logit_bias[-1][0]} is not in the model's vocabulary",
                            param="logit_bias")  # fmt: skip
         every_ids = []
+        suffix = getattr(body, "suffix", None)
         for prompt in prompts:
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 check_token_ids(worker.model, prompt)
                 ids = list(prompt)
+            elif suffix:  # the text between the prompt and the suffix
+                ids = worker.model.fill_in_middle(prompt, suffix)
             else:
                 ids = worker.model.encode(prompt)
             check_lengths(worker.model, len(ids), limit)
             every_ids.append(ids)
     except InvalidInputError as exc:
-        raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+        param = "messages" if chat else "suffix" if "fill-in-the-middle" in str(exc) else "prompt"
+        raise ApiError(400, str(exc), param=param) from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     echo = getattr(body, "echo", False)

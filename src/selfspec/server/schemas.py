@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints we serve, validated strictly, and the errors they answer with.
 
 Unknown fields are refused (a typo must not be silently ignored); fields of the
-OpenAI schema that we do not implement (``tools``, ``response_format``, ``suffix``, ``best_of``)
+OpenAI schema that we do not implement (``tools``, ``response_format``, ``best_of``)
 are refused with a message saying so, unless they ask
 for nothing: many clients send every field with its default (``"logprobs":
 false``, ``"tools": []``, ``"response_format": {"type": "text"}``, null), and
@@ -58,7 +58,7 @@ class StreamOptions(BaseModel):
 UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
     "best_of": (None, 1), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None, {}),
@@ -157,6 +157,7 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)  # alternatives per token (OpenAI: at most 5)
+    suffix: str | None = None  # the text after the completion: fill in the middle (code models trained for it)
 
     def logprob_top(self) -> int | None:
         return self.logprobs
@@ -170,6 +171,8 @@ class CompletionRequest(_Common):
             prompts = list(p)
         if not prompts or any(not x or (isinstance(x, str) and not x.strip()) for x in prompts):
             raise ApiError(400, "prompt is empty", param="prompt")
+        if self.suffix and (self.echo or any(not isinstance(x, str) for x in prompts)):
+            raise ApiError(400, "suffix: fill in the middle takes text prompts, without echo", param="suffix")
         if len(prompts) * self.n > MAX_BATCH:
             raise ApiError(400, f"prompt: {len(prompts)} prompts x n={self.n} choices; at most {MAX_BATCH} choices "
                            "per request", param="prompt")  # fmt: skip
