@@ -23,6 +23,7 @@ import torch
 from openai import OpenAI, RateLimitError
 
 import selfspec
+from selfspec.core.prefix_store import inexact_reason
 
 pytestmark = pytest.mark.slow
 
@@ -266,6 +267,7 @@ def test_echo_scores_a_batch_of_token_id_prompts_as_evaluation_harnesses_ask(ser
     context = smollm2.encode("The capital of France is")
     answers = [smollm2.tokenizer(a, add_special_tokens=False)["input_ids"] for a in (" Paris", " the city of Rome")]
     batch = [context + a for a in answers]
+    hits = _metrics(server)["selfspec_prefix_cache_hits_total"]
     code, reply = post(f"{server.url}/v1/completions", json.dumps(
         {"model": MODEL, "prompt": batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
          "echo": True}).encode())  # fmt: skip
@@ -286,6 +288,8 @@ def test_echo_scores_a_batch_of_token_id_prompts_as_evaluation_harnesses_ask(ser
                                                               lp["top_logprobs"][len(context) : -1], strict=True))
         assert greedy == (answer == answers[0]), "' Paris' is the model's own continuation, the other is not"
     assert reply["usage"]["prompt_tokens"] == sum(map(len, batch))
+    if inexact_reason(engine) is None:  # the scoring pass's keys and values served each generation's prefill
+        assert _metrics(server)["selfspec_prefix_cache_hits_total"] >= hits + len(batch)
     for bad, words in (([[1, 2, 10**9]], "vocabulary"), ([], "empty"), ([context] * 65, "at most 64")):
         code, reply = post(f"{server.url}/v1/completions", json.dumps({"prompt": bad, "max_tokens": 1}).encode())
         assert code == 400 and words in reply["error"]["message"], reply

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.prefix_store import PrefixStore
 from ..errors import InvalidInputError
 from ..model.models import Model
 from .limits import check_lengths
@@ -62,10 +63,13 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
 PROMPT_CHUNK = 64  # prompt rows scored per pass: [64, V] float32 logits (39 MB for a 152k vocabulary) at a time
 
 
-def prompt_logprobs(model: Model, ids: Sequence[int], top: int) -> list[TokenLogprob]:
+def prompt_logprobs(model: Model, ids: Sequence[int], top: int, store: PrefixStore | None = None,
+                    ) -> list[TokenLogprob]:  # fmt: skip
     """Each prompt token's log-probability given the tokens before it (OpenAI's ``echo`` with ``logprobs``, how
     evaluation harnesses score a continuation): a pass of the full model over the prompt in chunks, each row as
-    a verification pass computes it; the first token's entry has ``logprob`` None."""
+    a verification pass computes it; the first token's entry has ``logprob`` None.  ``store``: the pass's keys
+    and values are kept there (where it keeps exact ones), so that a generation after the prompt prefills only
+    its last token instead of reading the prompt again."""
     check_lengths(model, len(ids), 1)
     engine = model.engine
     cache = engine.new_cache(len(ids))
@@ -75,4 +79,7 @@ def prompt_logprobs(model: Model, ids: Sequence[int], top: int) -> list[TokenLog
         b = min(len(ids) - 1, a + PROMPT_CHUNK)  # rows [a, b) predict tokens [a + 1, b + 1)
         logits = engine.forward(cache, tokens[a:b], a)
         out.extend(token_logprobs(logits, tokens[a + 1 : b + 1].tolist(), top))
+    if store is not None:  # slots [0, len - 1): every prompt token but the last, which scores nothing here
+        cache.commit(len(ids) - 1)
+        store.save(engine, list(ids[:-1]), cache)
     return out

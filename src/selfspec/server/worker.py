@@ -288,7 +288,8 @@ class Worker:
         text = self.model.decode(ids)
         items = []
         if job.logprobs is not None:
-            items = _offsets(self.model, text, prompt_logprobs(self.model, ids, job.logprobs))
+            store = self.prefix_store if self.prefix_store.enabled else None  # the generation then reuses it
+            items = _offsets(self.model, text, prompt_logprobs(self.model, ids, job.logprobs, store))
         job.emit("piece", (index, text, 0, 0, items))
         return len(text)
 
