@@ -29,7 +29,7 @@ from .core.prefix_store import DEFAULT_MB, PrefixStore
 from .core.sampling import SamplingParams
 from .cost.costs import prepare_costs
 from .decoding.batch import StepBatcher
-from .decoding.limits import check_token_ids
+from .decoding.limits import check_token_ids, is_token_ids
 from .decoding.logprobs import TokenLogprob
 from .decoding.loop import Decoder, GenerationStats
 from .methods import build_policies
@@ -79,7 +79,7 @@ class Session:
 
     def _decoder(self, prompt: Prompt, max_new_tokens: int, sampling: SamplingParams,
                  logprobs: int | None = None) -> Decoder:  # fmt: skip
-        if _token_ids(prompt):
+        if is_token_ids(prompt):
             ids = list(prompt)
             check_token_ids(self.model, ids)
         else:
@@ -202,10 +202,6 @@ def _tuple(logprobs: list[TokenLogprob] | None) -> tuple[TokenLogprob, ...] | No
 
 def _since(logprobs: list[TokenLogprob] | None, start: int) -> tuple[TokenLogprob, ...]:
     return () if logprobs is None else tuple(logprobs[start:])
-
-
-def _token_ids(prompt: Prompt) -> bool:
-    return not isinstance(prompt, str) and len(prompt) > 0 and all(isinstance(t, int) for t in prompt)
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme",

@@ -101,6 +101,12 @@ class SamplingParams:
         """Whether top-k, top-p or min-p removes tokens (else every token keeps its weight)."""
         return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse a ``logit_bias`` naming an id beyond a vocabulary of ``vocab_size`` tokens."""
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            raise InvalidInputError(f"logit_bias: token id {self.logit_bias[-1][0]} is not in the model's "
+                                    f"vocabulary (ids 0 to {vocab_size - 1})")  # fmt: skip
+
     @property
     def adjusted(self) -> bool:
         """Whether the logits are changed before the choice (a logit bias or a penalty)."""
@@ -392,9 +398,8 @@ class Sampler:
     def __init__(self, params: SamplingParams, vocab_size: int = 0, *, prompt_len: int = 0,
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
         self.params, self.prompt_len = params, prompt_len
-        if vocab_size > 0 and params.logit_bias and params.logit_bias[-1][0] >= vocab_size:
-            raise InvalidInputError(f"logit_bias: token id {params.logit_bias[-1][0]} is not in the model's "
-                                    f"vocabulary (ids 0 to {vocab_size - 1})")  # fmt: skip
+        if vocab_size > 0:
+            params.check_vocabulary(vocab_size)
         self.generator: torch.Generator | None = None
         self.noise: PositionNoise | None = None
         if params.greedy:

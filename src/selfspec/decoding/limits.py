@@ -3,6 +3,9 @@ pass runs, with a message saying what to change."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from ..errors import InvalidInputError
 from ..model.models import Model
 
@@ -29,3 +32,9 @@ def check_token_ids(model: Model, ids: list[int]) -> None:
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < size), None)
     if bad is not None:
         raise InvalidInputError(f"token id {bad!r} is not in the model's vocabulary (ids 0 to {size - 1})")
+
+
+def is_token_ids(prompt: Any) -> bool:
+    """Whether a prompt is given as token ids (a non-empty sequence of ints), not text or chat messages."""
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0 \
+        and all(isinstance(t, int) for t in prompt)  # fmt: skip

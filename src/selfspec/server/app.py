@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from ..decoding.limits import check_lengths, check_token_ids
+from ..decoding.limits import check_lengths, check_token_ids, is_token_ids
 from ..errors import InvalidInputError
 from ..methods import METHODS
 from .backlog import Job, QueueFull, loop_emitter
@@ -167,24 +167,27 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
                        param="max_tokens")  # fmt: skip
     try:
         sampling = body.sampling()
-        if sampling.logit_bias and sampling.logit_bias[-1][0] >= worker.model.adapter.vocab_size:
-            raise ApiError(400, f"logit_bias: token id {sampling.logit_bias[-1][0]} is not in the model's vocabulary",
-                           param="logit_bias")  # fmt: skip
+        try:
+            sampling.check_vocabulary(worker.model.adapter.vocab_size)
+        except InvalidInputError as exc:
+            raise ApiError(400, str(exc), param="logit_bias") from None
         every_ids = []
         suffix = getattr(body, "suffix", None)
         for prompt in prompts:
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            if is_token_ids(prompt):
                 check_token_ids(worker.model, prompt)
                 ids = list(prompt)
             elif suffix:  # the text between the prompt and the suffix
-                ids = worker.model.fill_in_middle(prompt, suffix)
+                try:
+                    ids = worker.model.fill_in_middle(prompt, suffix)
+                except InvalidInputError as exc:  # a model without fill-in-the-middle tokens
+                    raise ApiError(400, str(exc), param="suffix") from None
             else:
                 ids = worker.model.encode(prompt)
             check_lengths(worker.model, len(ids), limit)
             every_ids.append(ids)
     except InvalidInputError as exc:
-        param = "messages" if chat else "suffix" if "fill-in-the-middle" in str(exc) else "prompt"
-        raise ApiError(400, str(exc), param=param) from None
+        raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     echo = getattr(body, "echo", False)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling import SamplingParams
+from ..decoding.limits import is_token_ids
 from ..decoding.logprobs import MAX_TOP
 
 MAX_CHOICES = 8  # ``n``: choices of one prompt, decoded one after the other
@@ -165,7 +166,7 @@ class CompletionRequest(_Common):
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each text or token ids (a single prompt: a list of one)."""
         p = self.prompt
-        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        if isinstance(p, str) or is_token_ids(p):
             prompts: list = [p]
         else:
             prompts = list(p)

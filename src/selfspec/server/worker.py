@@ -38,6 +38,7 @@ from ..core import native_thread
 from ..core.prefix_store import DEFAULT_MB, PrefixStore, inexact_reason
 from ..cost.costs import CostProfile, cost_profile
 from ..decoding.batch import StepBatcher
+from ..decoding.limits import is_token_ids
 from ..decoding.logprobs import TokenLogprob, prompt_logprobs
 from ..errors import SelfspecError
 from ..model.models import Model
@@ -283,8 +284,7 @@ class Worker:
     def _echo(self, job: Job, index: int, prompt: Any) -> int:
         """``echo``: the prompt's text as the choice's first piece, with its tokens' log-probabilities (the
         first token's None: nothing predicts it) when asked for; the length of that text."""
-        ids = list(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
-            self.model.encode(prompt)  # fmt: skip
+        ids = list(prompt) if is_token_ids(prompt) else self.model.encode(prompt)
         text = self.model.decode(ids)
         items = []
         if job.logprobs is not None:
