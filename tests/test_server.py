@@ -175,7 +175,11 @@ def test_seeded_sampling_is_vanilla_samplings_tokens(server, smollm2):
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"messages": CHAT, "top_logprobs": 2}, 400, "needs logprobs=true"),
         ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "not supported"),
-        ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "not supported"),
+        ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "bogus"}}}}, 400, "does not compile"),
+        ({"messages": CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, 400,
+         "one structure"),
+        ({"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "needs json_schema"),
         ({"messages": CHAT, "colour": "blue"}, 400, "unknown field"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "user", "content": "x " * 20000}]}, 400, "context"),
@@ -215,6 +219,35 @@ def test_a_client_sending_every_default_gets_the_plain_answer(server):
     logprobs = reply["choices"][0]["logprobs"]  # 0 asks for the chosen tokens' own
     assert logprobs["tokens"] and len(logprobs["token_logprobs"]) == len(logprobs["tokens"])
     assert logprobs["top_logprobs"] is None
+
+
+def test_structured_output_is_generates_and_parses(server, smollm2):
+    """OpenAI's response_format (a JSON schema, any JSON object) and vLLM's structured_outputs (a choice): the
+    answer is selfspec.generate's under the same grammar, plain and streamed, and it parses."""
+    from selfspec.decoding import grammar
+
+    client = server.client()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    ask = [{"role": "user", "content": "Name the capital of France as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    out = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0, response_format=fmt)
+    want = selfspec.generate(smollm2, ask, "vanilla", max_new_tokens=40, grammar=grammar.json_schema(schema))
+    assert out.choices[0].message.content == want.text and set(json.loads(want.text)) == {"city"}
+    stream = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0,
+                                            response_format=fmt, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+    anything = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=60, temperature=0,
+                                              response_format={"type": "json_object"})  # fmt: skip
+    reply = anything.choices[0].message.content
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply), dict)
+    else:
+        assert reply.lstrip().startswith("{")
+    code, reply = post(f"{server.url}/v1/completions", json.dumps({
+        "prompt": "Is the sky blue? Answer:", "max_tokens": 4, "temperature": 0,
+        "structured_outputs": {"choice": [" yes", " no"]}}).encode())  # fmt: skip
+    assert code == 200 and reply["choices"][0]["text"] in (" yes", " no"), reply
 
 
 def test_chat_logprobs_are_the_models_own_and_spell_the_answer(server, smollm2):

@@ -10,6 +10,7 @@ Quick start::
 
 from .api import GenerationResult, Session, generate, stream
 from .core.skipset import SkipSet
+from .decoding import grammar
 from .decoding.loop import GenerationStats
 from .errors import InvalidInputError, ModelNotFoundError, SelfspecError, UnsupportedModelError
 from .methods import METHODS
@@ -30,6 +31,7 @@ __all__ = [
     "SkipSet",
     "UnsupportedModelError",
     "generate",
+    "grammar",
     "list_models",
     "load",
     "model_from_hf",

@@ -113,14 +113,17 @@ class Session:
         frequency_penalty: float = 0.0,
         logit_bias: dict[int, float] | None = None,
         logprobs: int | None = None,
+        grammar: str | None = None,
     ) -> GenerationResult:
         """Greedy with ``temperature`` 0 (default); else sampled.  With the default ``sampling_scheme``
         ("coupled") a ``seed`` gives exactly the tokens vanilla sampling gives with that seed, for every
         method; "rejection" is classic speculative sampling (exact in distribution; a seed reproduces a run
         only where draft lengths do not follow measured times).  ``logprobs`` (0-20): the result also holds
-        each new token's log-probability under the model and that many most likely alternatives."""
+        each new token's log-probability under the model and that many most likely alternatives.  ``grammar``:
+        structured output, the text held to a JSON schema, a regular expression or a Lark grammar
+        (``selfspec.grammar.json_schema(schema)``, ``.regex(pattern)``, ``.lark(text)``, ``.choice(options)``)."""
         params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme,
-                                presence_penalty, frequency_penalty, dict(logit_bias or {}))  # fmt: skip
+                                presence_penalty, frequency_penalty, dict(logit_bias or {}), grammar)  # fmt: skip
         decoder = self._decoder(prompt, max_new_tokens, params, logprobs)
         ids = [t for new in decoder for t in new]
         self.last_result = GenerationResult(self.model.decode(ids), tuple(ids), decoder.stats,
@@ -143,11 +146,12 @@ class Session:
         frequency_penalty: float = 0.0,
         logit_bias: dict[int, float] | None = None,
         logprobs: int | None = None,
+        grammar: str | None = None,
     ) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; ``last_result`` is set at the end (with ``logprobs``, the
         tokens' log-probabilities)."""
         params = SamplingParams(temperature, top_k, top_p, seed, min_p, repetition_penalty, sampling_scheme,
-                                presence_penalty, frequency_penalty, dict(logit_bias or {}))  # fmt: skip
+                                presence_penalty, frequency_penalty, dict(logit_bias or {}), grammar)  # fmt: skip
         for piece in self.pieces(prompt, max_new_tokens=max_new_tokens, sampling=params, logprobs=logprobs):
             yield piece.text
 
@@ -205,7 +209,7 @@ def _since(logprobs: list[TokenLogprob] | None, start: int) -> tuple[TokenLogpro
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "sampling_scheme",
-                 "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")  # fmt: skip
+                 "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "grammar")  # fmt: skip
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -219,7 +223,8 @@ def generate(
     """Generate with ``method`` (see ``selfspec.METHODS``); the keywords of :meth:`Session.generate`
     (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
     ``frequency_penalty``, ``logit_bias``, ``seed``, ``sampling_scheme``) choose sampling (default greedy),
-    ``logprobs`` asks for the tokens' log-probabilities; every other keyword is an option of the method."""
+    ``logprobs`` asks for the tokens' log-probabilities, ``grammar`` holds the text to a structure
+    (:mod:`selfspec.grammar`); every other keyword is an option of the method."""
     method_options, sampling = _split(dict(options))
     session = Session(model, method, prefix_cache=0, **method_options)  # one call: nothing to reuse later
     return session.generate(prompt, max_new_tokens=max_new_tokens, **sampling)

@@ -79,7 +79,32 @@ OPTION_NAMES = ("preset", "alpha", "m", "n", "variant", "skip_set", "max_draft",
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    return sampling_params(args).as_kwargs()  # validated before the model load
+    kwargs = sampling_params(args).as_kwargs()  # validated before the model load
+    kwargs["grammar"] = _grammar(args)
+    return kwargs
+
+
+def _grammar(args: argparse.Namespace) -> str | None:
+    """The structure ``--json-schema`` / ``--regex`` / ``--lark`` / ``--choice`` holds the output to (or None)."""
+    from ..decoding import grammar
+
+    def text(value: str) -> str:  # a value or @FILE
+        if not value.startswith("@"):
+            return value
+        try:
+            return Path(value[1:]).read_text()
+        except OSError as exc:
+            raise InvalidInputError(f"cannot read {value[1:]}: {exc.strerror}") from None
+
+    if getattr(args, "json_schema", None) is not None:
+        return grammar.json_schema(None if args.json_schema == "object" else text(args.json_schema))
+    if getattr(args, "regex", None) is not None:
+        return grammar.regex(args.regex)
+    if getattr(args, "lark", None) is not None:
+        return grammar.lark(text(args.lark))
+    if getattr(args, "choice", None) is not None:
+        return grammar.choice(args.choice)
+    return None
 
 
 def _method_options(args: argparse.Namespace) -> dict:
@@ -104,6 +129,13 @@ def _add_generate_parser(sub) -> None:
     tmpl.add_argument("--raw", action="store_true", help="do not apply the chat template")
     tmpl.add_argument("--chat", action="store_true", help="apply the chat template (default when the model has one)")
     add_sampling_args(p)
+    g = p.add_argument_group("structured output (every method then emits what vanilla decoding under it emits)")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA",
+                       help="JSON matching this schema (its JSON text, or @FILE); 'object': any JSON object")
+    shape.add_argument("--regex", help="text matching this regular expression")
+    shape.add_argument("--lark", metavar="GRAMMAR", help="text of this Lark grammar (its text, or @FILE)")
+    shape.add_argument("--choice", nargs="+", metavar="TEXT", help="exactly one of these texts")
     p.add_argument("--compare", action="store_true",
                    help="also run vanilla; report speedup and identity (greedy, or coupled sampling, one seed)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")

@@ -35,6 +35,7 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -55,6 +56,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of each token the output holds
     frequency_penalty: float = 0.0  # OpenAI's: times the number of times the output holds the token
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, added to its logit), sorted by id
+    grammar: str | None = None  # structured output: an llguidance grammar (decoding/grammar.py makes them)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -78,6 +80,8 @@ class SamplingParams:
                 raise InvalidInputError(f"logit_bias: {token!r} is not a token id")
             if not (-100.0 <= bias <= 100.0):
                 raise InvalidInputError(f"logit_bias of token {token} must be between -100 and 100, got {bias}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise InvalidInputError("grammar must be a non-empty grammar string (see selfspec.grammar)")
         if self.scheme not in SCHEMES:
             raise InvalidInputError(f"sampling scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
 
@@ -90,7 +94,7 @@ class SamplingParams:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "repetition_penalty": self.repetition_penalty, "seed": self.seed, "sampling_scheme": self.scheme,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "logit_bias": dict(self.logit_bias)}
+                "logit_bias": dict(self.logit_bias), "grammar": self.grammar}
 
     @property
     def coupled(self) -> bool:
@@ -109,8 +113,13 @@ class SamplingParams:
 
     @property
     def adjusted(self) -> bool:
-        """Whether the logits are changed before the choice (a logit bias or a penalty)."""
-        return bool(self.logit_bias) or self.penalised
+        """Whether the logits are changed before the choice (a logit bias, a penalty or a grammar)."""
+        return bool(self.logit_bias) or self.reads_history
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a row's logits depend on the output before it (a penalty or a grammar)."""
+        return self.penalised or self.grammar is not None
 
     @property
     def penalised(self) -> bool:
@@ -142,6 +151,13 @@ class RowHistory:
 # per row: a RowHistory, or a tensor of the history's ids (the repetition penalty alone)
 Seen = Sequence[RowHistory | torch.Tensor] | None
 Columns = Callable[[torch.Tensor], torch.Tensor]  # token ids -> their columns in a subset's logits (-1: absent)
+
+
+class Constraint(Protocol):
+    """What a grammar does to logits (decoding/grammar.py's): -inf where it forbids a token after a row."""
+
+    def apply(self, x: torch.Tensor, histories: Sequence[Sequence[int]],
+              columns: Columns | None = None) -> torch.Tensor: ...  # fmt: skip
 
 
 def argmax_rows(x: torch.Tensor) -> list[int]:
@@ -396,8 +412,11 @@ class Sampler:
     """
 
     def __init__(self, params: SamplingParams, vocab_size: int = 0, *, prompt_len: int = 0,
-                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+                 device: torch.device | str = "cpu", constraint: Constraint | None = None) -> None:  # fmt: skip
         self.params, self.prompt_len = params, prompt_len
+        if (params.grammar is None) != (constraint is None):
+            raise ValueError("a grammar needs its constraint (decoding/grammar.py), and only a grammar has one")
+        self.constraint = constraint
         if vocab_size > 0:
             params.check_vocabulary(vocab_size)
         self.generator: torch.Generator | None = None
@@ -430,7 +449,7 @@ class Sampler:
 
     def extend(self, history: Sequence[int], path: Sequence[int]) -> Sequence[int]:
         """``history`` followed by ``path`` where the penalty reads it (else ``history``, uncopied)."""
-        return [*history, *path] if self.params.penalised and path else history
+        return [*history, *path] if self.params.reads_history and path else history
 
     def _seen(self, histories: Sequence[Sequence[int]], device, columns: Columns | None = None) -> Seen:
         """Per row, the ids its history holds (the penalty's tokens), as columns of the logits when those cover
@@ -456,6 +475,7 @@ class Sampler:
         """The full model's token after each row of ``logits`` ``[T, V]``: argmax (greedy) or argmax of the
         log-weights plus the position's noise (coupled).  Not for the rejection scheme."""
         seen = self._seen(histories, logits.device)
+        logits = self._constrained(logits, histories)
         if self.greedy and not self.params.adjusted:
             return argmax_rows(logits)
         x = _biased(logits.float(), self.params)
@@ -478,6 +498,11 @@ class Sampler:
         best = perturbed_topk(keys, ids, w)
         return ids.gather(-1, best).squeeze(-1).tolist()
 
+    def _constrained(self, logits: torch.Tensor, histories: Sequence[Sequence[int]],
+                     columns: Columns | None = None) -> torch.Tensor:  # fmt: skip
+        """``logits`` with what the grammar forbids after each row's history at -inf (as is without one)."""
+        return logits if self.constraint is None else self.constraint.apply(logits, histories, columns)
+
     def forget_before(self, t: int) -> None:
         """Positions before t are decided: their noise is not needed again."""
         if self.noise is not None:
@@ -485,7 +510,7 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor, histories: Sequence[Sequence[int]]) -> torch.Tensor:
         """The full model's distribution after each row (the rejection scheme's p)."""
-        return warp(logits, self.params, self._seen(histories, logits.device))
+        return warp(self._constrained(logits, histories), self.params, self._seen(histories, logits.device))
 
     def next_token(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """The token after ``history`` from one row of logits ``[V]`` (vanilla decoding)."""
@@ -499,13 +524,14 @@ class Sampler:
         else warped as the full model's is (what the rejection scheme weighs drafts by)."""
         if self.greedy:
             return self.greedy_draft_logits(logits, history).softmax(-1)
-        return warp(logits[None], self.params, self._seen([history], logits.device))[0]
+        x = self._constrained(logits[None], [history])
+        return warp(x, self.params, self._seen([history], logits.device))[0]
 
     def greedy_draft_logits(self, logits: torch.Tensor, history: Sequence[int],
                             columns: Columns | None = None) -> torch.Tensor:  # fmt: skip
         """A greedy draft's logits ``[V']`` (float32) as the full model's choice will weigh them: with the logit
         bias and the penalties where set (``columns``: the ids' columns where the logits cover a subset)."""
-        x = _biased(logits.float(), self.params, columns)
+        x = _biased(self._constrained(logits[None], [history], columns)[0].float(), self.params, columns)
         seen = self._seen([history], logits.device, columns)
         return x if seen is None else _penalise(x[None].clone(), seen, self.params)[0]
 
@@ -515,7 +541,7 @@ class Sampler:
         REACH of the best log-weight (after the penalty), warped among themselves.  A draft only proposes (its
         tokens are verified by exact match), so narrowing it costs nothing but the rare far-off proposal, and
         spares the cut and the noise a pass over a 16-30k-token draft vocabulary (~0.2 ms a step)."""
-        x = _biased(logits.float(), self.params, columns)[None]
+        x = _biased(self._constrained(logits[None], [history], columns).float(), self.params, columns)
         seen = self._seen([history], logits.device, columns)
         if seen is not None:
             x = _penalise(x.clone(), seen, self.params)

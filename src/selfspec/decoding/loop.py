@@ -42,6 +42,7 @@ from ..model.engine import BatchItem, SublayerCosine
 from ..model.models import Model
 from .acceptance import accept_greedy, accept_sampling
 from .batch import StepBatcher
+from .grammar import Constraint
 from .limits import check_lengths
 from .logprobs import TokenLogprob, check_top, token_logprobs
 from .protocols import Drafter, DraftOutcome, RoundContext, SkipPolicy
@@ -225,6 +226,10 @@ class Decoder:
                 )
             if self._wants_cosine and prefill.cosine is None:
                 raise ValueError("this skip policy needs the prefill's cosine statistics: prefill(..., cosine=True)")
+        # structured output: the grammar's matcher follows this generation's rows (decoding/grammar.py); made now,
+        # so that a grammar that does not compile is refused before any work
+        self._constraint = None if sampling.grammar is None else Constraint(model, sampling.grammar,
+                                                                            prompt_len=len(prompt_ids))  # fmt: skip
         self.stats: GenerationStats | None = None
 
     @property
@@ -306,7 +311,8 @@ class Decoder:
                                      cosine=self._wants_cosine, store=self.prefix_store,
                                      batcher=self._batcher)  # fmt: skip
         self._reused = pf.reused
-        self._sampler = Sampler(self.sampling, pf.last_logits.shape[-1], prompt_len=S, device=self.model.engine.device)
+        self._sampler = Sampler(self.sampling, pf.last_logits.shape[-1], prompt_len=S, device=self.model.engine.device,
+                                constraint=self._constraint)  # fmt: skip
         plain = self.sampling.greedy and not self.sampling.adjusted  # the prefill's argmax is the first token
         token = pf.first_token if plain else self._sampler.next_token(pf.last_logits, pf.prompt_ids)
         pf.cache.commit(S)  # with a reused prefill: rewind to the prompt, what an earlier decoding wrote is scratch
@@ -372,7 +378,7 @@ class Decoder:
         sampler = self._sampler
         if tree is None or len(tree) == 1:
             return [0], sampler.next_token(logits[-1], history), None
-        if sampler.params.penalised:  # each node's history runs through its own path
+        if sampler.params.reads_history:  # each node's history runs through its own path
             histories = [[*history, *(tree.tokens[n] for n in tree.path_to(node)[1:])] for node in range(len(tree))]
         else:
             histories = [history] * len(tree)

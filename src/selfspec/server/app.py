@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
+from ..decoding.grammar import check as check_grammar
 from ..decoding.limits import check_lengths, check_token_ids, is_token_ids
 from ..errors import InvalidInputError
 from ..methods import METHODS
@@ -171,6 +172,11 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
             sampling.check_vocabulary(worker.model.adapter.vocab_size)
         except InvalidInputError as exc:
             raise ApiError(400, str(exc), param="logit_bias") from None
+        if sampling.grammar is not None:
+            try:
+                check_grammar(worker.model, sampling.grammar)
+            except InvalidInputError as exc:
+                raise ApiError(400, str(exc), param="response_format") from None
         every_ids = []
         suffix = getattr(body, "suffix", None)
         for prompt in prompts:

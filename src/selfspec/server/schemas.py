@@ -1,14 +1,15 @@
 """Request bodies of the OpenAI endpoints we serve, validated strictly, and the errors they answer with.
 
 Unknown fields are refused (a typo must not be silently ignored); fields of the
-OpenAI schema that we do not implement (``tools``, ``response_format``, ``best_of``)
+OpenAI schema that we do not implement (``tools``, ``best_of``)
 are refused with a message saying so, unless they ask
 for nothing: many clients send every field with its default (``"logprobs":
 false``, ``"tools": []``, ``"response_format": {"type": "text"}``, null), and
 those requests are answered as without them.  Our own
 extensions ride in the body as the ``openai`` client's ``extra_body`` puts them:
 ``top_k``, ``min_p``, ``repetition_penalty`` and ``selfspec: {"method": ...,
-"sampling_scheme": ...}``.
+"sampling_scheme": ...}``.  Structured output: OpenAI's ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``: Lark).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling import SamplingParams
+from ..decoding import grammar as grammars
 from ..decoding.limits import is_token_ids
 from ..decoding.logprobs import MAX_TOP
+from ..errors import InvalidInputError
 
 MAX_CHOICES = 8  # ``n``: choices of one prompt, decoded one after the other
 MAX_BATCH = 64  # choices of one text completion request (prompts x n)
@@ -55,11 +58,36 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # (the output always matches the schema: decoding is held to it)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of a JSON schema, a regular expression, a list of choices, a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark's syntax (llguidance's dialect)
+
+
 # OpenAI fields we do not implement, each with the values that ask for nothing (a client sending its defaults)
 UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "best_of": (None, 1), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None, {}),
@@ -104,6 +132,34 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias, -100 to 100
     user: str | None = None
     selfspec: SelfspecOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def grammar(self) -> str | None:
+        """The grammar the output is held to (decoding/grammar.py), from ``response_format`` or
+        ``structured_outputs``; None for plain text."""
+        fmt, so = self.response_format, self.structured_outputs
+        asked = [] if fmt is None or fmt.type == "text" else ["response_format"]
+        kinds = [] if so is None else [k for k in ("json_", "regex", "choice", "grammar") if getattr(so, k) is not None]
+        if len(asked) + len(kinds) > 1:
+            raise ApiError(400, "give one structure for the output: response_format or one field of "
+                           "structured_outputs", param="structured_outputs" if len(kinds) > 1 else "response_format")
+        try:
+            if asked:
+                if fmt.type == "json_object":
+                    return grammars.json_schema(None)
+                if fmt.json_schema is None:
+                    raise ApiError(400, "response_format of type json_schema needs json_schema",
+                                   param="response_format")  # fmt: skip
+                return grammars.json_schema(fmt.json_schema.json_schema or {})
+            if not kinds:
+                return None
+            kind = kinds[0]
+            make = {"json_": grammars.json_schema, "regex": grammars.regex, "choice": grammars.choice,
+                    "grammar": grammars.lark}[kind]  # fmt: skip
+            return make(getattr(so, kind))
+        except InvalidInputError as exc:
+            raise ApiError(400, str(exc), param="response_format" if asked else "structured_outputs") from None
 
     def sampling(self) -> SamplingParams:
         scheme = (self.selfspec.sampling_scheme if self.selfspec else None) or "coupled"
@@ -114,7 +170,7 @@ class _Common(BaseModel):
             bias[int(key)] = value
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.min_p,
                               self.repetition_penalty, scheme, self.presence_penalty,
-                              self.frequency_penalty, bias)  # fmt: skip
+                              self.frequency_penalty, bias, self.grammar())  # fmt: skip
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
