@@ -96,6 +96,26 @@ def test_every_method_under_a_grammar_is_vanillas(tiny_llama, method, options):
         assert free.token_ids != base.token_ids  # the grammar changed the answer: it was applied
 
 
+@pytest.mark.parametrize("method", ["pld", "asd", "lookahead"])
+def test_what_the_grammar_forces_is_drafted_for_free_and_changes_nothing(tiny_llama, method):
+    """After "h" the grammar forces "ello": the decoder drafts it itself (no draft pass), every method still
+    emits vanilla's tokens; vanilla decoding stays plain (one forward a token)."""
+    spec = grammar.regex(r"(hello|world)( (hello|world)){3,6}\.")
+    settings = [{}, {"temperature": 1.0, "seed": 11}]
+    if method != "lookahead":  # (lookahead has no draft distributions: greedy and coupled only)
+        settings.append({"temperature": 1.0, "seed": 12, "sampling_scheme": "rejection"})
+    for kw in settings:
+        base = selfspec.generate(tiny_llama, "say:", "vanilla", max_new_tokens=48, grammar=spec, **kw)
+        assert base.stats.grammar_drafted == 0 and base.stats.forwards == base.stats.new_tokens
+        out = selfspec.generate(tiny_llama, "say:", method, max_new_tokens=48, grammar=spec, **kw)
+        if kw.get("sampling_scheme") != "rejection":  # (the rejection scheme is exact in distribution only)
+            assert out.token_ids == base.token_ids, kw
+        text = tiny_llama.decode(list(out.token_ids), skip_special=True).replace(" ", "")
+        assert text.endswith(".") and set(text) <= set("helowrd.")
+        assert out.stats.grammar_drafted >= 4 and out.stats.grammar_accepted == out.stats.grammar_drafted
+        assert out.stats.forwards < base.stats.forwards
+
+
 def _exact_constrained(model, params: SamplingParams, spec: str, new: int) -> dict[tuple[int, ...], float]:
     """P(first ``new`` tokens) under the grammar: transformers' logits, a fresh matcher's mask at every prefix."""
     out: dict[tuple[int, ...], float] = {}

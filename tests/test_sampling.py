@@ -407,10 +407,11 @@ def test_sampling_params_spell_out_every_keyword_of_generate():
     from selfspec.api import Session
 
     p = SamplingParams(0.7, top_k=5, top_p=0.9, seed=3, min_p=0.05, repetition_penalty=1.1, scheme="rejection",
-                       presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={3: 1.5})  # fmt: skip
+                       presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={3: 1.5},
+                       grammar=selfspec.grammar.regex("[a-z]+"))  # fmt: skip
     kw = p.as_kwargs()
     not_sampling = {"self", "prompt", "max_new_tokens", "logprobs"}
     assert set(kw) == set(inspect.signature(Session.generate).parameters) - not_sampling
     assert SamplingParams(kw["temperature"], kw["top_k"], kw["top_p"], kw["seed"], kw["min_p"],
                           kw["repetition_penalty"], kw["sampling_scheme"], kw["presence_penalty"],
-                          kw["frequency_penalty"], kw["logit_bias"]) == p  # fmt: skip
+                          kw["frequency_penalty"], kw["logit_bias"], kw["grammar"]) == p  # fmt: skip

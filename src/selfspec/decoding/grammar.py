@@ -154,7 +154,17 @@ class Constraint:
             self._masks.popitem(last=False)
         return mask
 
-    def _compute(self, out: tuple[int, ...]) -> torch.Tensor | None:
+    def forced(self, history: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces after ``history`` (a JSON schema's keys and punctuation, a
+        choice's rest once it is told apart): a free draft, verified as any draft is (the model may still spell
+        the forced text with other tokens)."""
+        if limit <= 0 or not self._seek(tuple(history[self.prompt_len :])):
+            return []
+        return list(self.matcher.compute_ff_tokens()[:limit])
+
+    def _seek(self, out: tuple[int, ...]) -> bool:
+        """Bring the matcher to ``out`` (rolling back to the prefix it shares with what it has read); False if
+        ``out`` holds a token the grammar forbids (the matcher then stands at the longest allowed prefix)."""
         done = self._consumed
         same = 0
         for a, b in zip(done, out, strict=False):
@@ -169,7 +179,12 @@ class Constraint:
             n = self.matcher.try_consume_tokens(rest)
             done.extend(rest[:n])
             if n < len(rest):
-                return None
+                return False
+        return True
+
+    def _compute(self, out: tuple[int, ...]) -> torch.Tensor | None:
+        if not self._seek(out):
+            return None
         if self.matcher.is_error():  # (not reached by try_consume_tokens; a matcher in error allows nothing)
             raise RuntimeError(f"grammar matcher failed: {self.matcher.get_error()}")
         mask = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8) != 0

@@ -47,7 +47,7 @@ from .limits import check_lengths
 from .logprobs import TokenLogprob, check_top, token_logprobs
 from .protocols import Drafter, DraftOutcome, RoundContext, SkipPolicy
 from .stats import GenerationStats
-from .trees import DraftTree
+from .trees import DraftTree, point_masses
 
 __all__ = ["Decoder", "GenerationStats", "Prefill", "RoundContext", "check_lengths", "prefill", "prefill_cosine"]
 
@@ -182,6 +182,8 @@ class _Tally:
     verify_time: float = 0.0
     optimise_time: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
+    grammar_drafted: int = 0
+    grammar_accepted: int = 0
 
 
 class Decoder:
@@ -277,7 +279,7 @@ class Decoder:
                     logits = self._verify(cache, c, token, tree)  # [T, V]
                 # 3. accept the longest path the full model agrees with (or keeps), plus its next token
                 path, bonus, choices = self._accept(tree, logits, history)
-                if choices is not None and self._verified is not None:  # lookahead's next Jacobi iteration
+                if choices is not None and self._verified is not None and not outcome.grammar:  # lookahead's Jacobi
                     self._verified(outcome, choices, path)
                 t3 = clock.now()
                 # 4. commit the accepted path's cache entries; stop at EOS or at the length limit
@@ -354,6 +356,12 @@ class Decoder:
     def _draft(self, history: list[int], cache: KVCache, skip: SkipSet | None, budget: int) -> DraftOutcome | None:
         if self.drafter is None:
             return None
+        if self._constraint is not None:  # what the grammar forces is drafted for free (no method's round)
+            forced = self._constraint.forced(history, min(budget, self._max_nodes - 1))
+            if forced:
+                q = point_masses(forced, self.model) if self._sampler.records_q else None
+                return DraftOutcome(DraftTree.chain(history[-1], forced, q), [1.0] * len(forced), {}, len(forced),
+                                    passes=0, grammar=True)  # fmt: skip
         return self.drafter.propose(history, model=self.model, cache=cache, skip=skip, budget=budget,
                                     sampler=self._sampler)  # fmt: skip
 
@@ -406,6 +414,10 @@ class Decoder:
             tally.accept_lengths.append(len(path) - 1)
             if self.skip_policy is not None and passes:  # a layer-skip draft (not a hybrid's n-gram round)
                 self.skip_policy.observe(outcome.steps, len(path) - 1)
+        if outcome is not None and outcome.grammar:  # the drafter did not draft this round: nothing to learn
+            tally.grammar_drafted += outcome.steps
+            tally.grammar_accepted += len(path) - 1
+            return
         self.drafter.observe(outcome, path, tokens=tokens, round_ms=1000 * (clock.now() - t1),
                              draft_ms=1000 * (t2 - t1), verify_ms=1000 * (t3 - t2))  # fmt: skip
 
@@ -434,6 +446,8 @@ class Decoder:
             draft_precision=self.drafter.precision(self.model) if self.drafter is not None else None,
             sources=self.drafter.source_stats() if hasattr(self.drafter, "source_stats") else None,
             reused_tokens=self._reused,
+            grammar_drafted=tally.grammar_drafted,
+            grammar_accepted=tally.grammar_accepted,
         )
 
 

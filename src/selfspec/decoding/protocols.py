@@ -36,6 +36,7 @@ class DraftOutcome:
     # and only the head remained to verify them (a draft that skips nothing: drafters/layerskip.py)
     logits: Any = None
     verify_s: float = 0.0  # of the draft's time, the seconds that verified it (with ``logits``: the head's work)
+    grammar: bool = False  # the tokens a grammar forces (decoding/grammar.py), drafted by the decoder itself
 
 
 @runtime_checkable

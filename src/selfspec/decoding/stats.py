@@ -29,6 +29,8 @@ class GenerationStats:
     sources: dict[str, dict[str, Any]] | None = None  # per draft source (hybrid): rounds, drafted, accepted, ms
     draft_pass_time: float | None = None  # drafting time of the rounds that ran draft passes (None: not recorded)
     reused_tokens: int = 0  # prompt tokens whose keys and values came from a prefix store, not prefilled
+    grammar_drafted: int = 0  # of ``drafted``: tokens a grammar forced (structured output), drafted for free
+    grammar_accepted: int = 0
 
     @property
     def mean_generated_length(self) -> float:

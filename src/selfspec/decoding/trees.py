@@ -17,6 +17,7 @@ its children were sampled from (``None`` under greedy decoding).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,3 +92,14 @@ class DraftTree:
 
     def positions(self, start: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.tensor(self.depths, dtype=torch.long, device=device) + start
+
+
+def point_masses(draft: Sequence[int], model) -> list[torch.Tensor | None]:
+    """Per node of a chain drafted without a distribution (an n-gram lookup, a grammar's forced tokens), the draft
+    distribution its child was drawn from as the rejection scheme reads it: a point mass on that token."""
+    masses: list[torch.Tensor | None] = []
+    for tok in draft:
+        q = torch.zeros(model.adapter.vocab_size, device=model.engine.device)
+        q[tok] = 1.0
+        masses.append(q)
+    return masses + [None]

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from ..core.sampling import Sampler
 from ..decoding.protocols import DraftOutcome
-from ..decoding.trees import DraftTree
+from ..decoding.trees import DraftTree, point_masses
 from ..errors import InvalidInputError
 
 NGRAM_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # match lengths indexed (up to max_ngram), the longest tried first
@@ -104,7 +102,7 @@ class PromptLookupDrafter:
         self.last_gain = self._gain(n, k)
         draft = list(history[start : start + k])
         self._last_n = n
-        q = self._point_masses(draft, model) if sampler.records_q else None
+        q = point_masses(draft, model) if sampler.records_q else None
         tree = DraftTree.chain(int(history[-1]), draft, q)
         return DraftOutcome(tree, [1.0] * k, {}, k, passes=0)
 
@@ -178,13 +176,3 @@ class PromptLookupDrafter:
                 best_k, best = k, gain
         return best_k
 
-    @staticmethod
-    def _point_masses(draft: list[int], model) -> list[torch.Tensor | None]:
-        """Per node, the draft distribution its child was drawn from: a point mass on the looked-up token."""
-        vocab = model.adapter.vocab_size
-        masses: list[torch.Tensor | None] = []
-        for tok in draft:
-            q = torch.zeros(vocab, device=model.engine.device)
-            q[tok] = 1.0
-            masses.append(q)
-        return masses + [None]

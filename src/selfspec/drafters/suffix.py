@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 from ..core.sampling import Sampler
 from ..decoding.protocols import DraftOutcome
-from ..decoding.trees import DraftTree
+from ..decoding.trees import DraftTree, point_masses
 from ..errors import InvalidInputError
-from .lookup import MIN_GAIN, PromptLookupDrafter, ngram_sizes, smoothed_acceptance
+from .lookup import MIN_GAIN, ngram_sizes, smoothed_acceptance
 
 MAX_OCCURRENCES = 16  # continuations gathered per source (current text, store) for one match: the latest ones
 STORE_TOKENS = 16384  # default bound of the session's store of earlier outputs
@@ -181,7 +181,7 @@ class SuffixDrafter:
         tree = DraftTree(
             (int(history[-1]), *(tokens[i] for i in nodes)),
             (-1, *(order[parents[i]] for i in nodes)),
-            tuple(PromptLookupDrafter._point_masses([tokens[i] for i in nodes], model)) if sampler.records_q else (),
+            tuple(point_masses([tokens[i] for i in nodes], model)) if sampler.records_q else (),
         )
         self._last = (n, tree, [1.0, *(share[i] for i in nodes)])
         return DraftOutcome(tree, [1.0] * tree.depth, {}, tree.depth, passes=0)
