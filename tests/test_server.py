@@ -174,7 +174,11 @@ def test_seeded_sampling_is_vanilla_samplings_tokens(server, smollm2):
         ({"messages": CHAT, "n": 9}, 400, "n"),
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ({"messages": CHAT, "top_logprobs": 2}, 400, "needs logprobs=true"),
-        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "not supported"),
+        ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "not among the tools"),
+        ({"messages": CHAT, "tool_choice": "required"}, 400, "needs tools"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, 400, "tool_call_id"),
+        ({"messages": CHAT, "functions": [{"name": "f"}]}, 400, "not supported"),
         ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "bogus"}}}}, 400, "does not compile"),
         ({"messages": CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, 400,
@@ -248,6 +252,73 @@ def test_structured_output_is_generates_and_parses(server, smollm2):
         "prompt": "Is the sky blue? Answer:", "max_tokens": 4, "temperature": 0,
         "structured_outputs": {"choice": [" yes", " no"]}}).encode())  # fmt: skip
     assert code == 200 and reply["choices"][0]["text"] in (" yes", " no"), reply
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                         "required": ["city"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                         "required": ["city"], "additionalProperties": False}}}]  # fmt: skip
+
+
+def test_tool_calls_are_held_to_the_tools_and_are_generates_answer(server, smollm2):
+    """tool_choice "required" and a named function: the answer is held to call objects of the tools (server/tools.py)
+    and is exactly selfspec.generate's under the same grammar; streamed alike; a tool's result is taken back."""
+    from selfspec.server.tools import ToolChoice, ToolSpec, call_grammar, parse_calls, template_messages
+
+    client = server.client()
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    specs = [ToolSpec.model_validate(t) for t in TOOLS]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        out = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice=choice,
+                                             max_tokens=60, temperature=0, parallel_tool_calls=False)  # fmt: skip
+        reply = out.choices[0]
+        assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
+        call = reply.message.tool_calls[0]
+        assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+        messages, tools = template_messages(ask, specs, smollm2)
+        named = choice if isinstance(choice, str) else ToolChoice.model_validate(choice)
+        want = selfspec.generate(smollm2, messages, "vanilla", max_new_tokens=60,
+                                 grammar=call_grammar(specs, named, parallel=False))  # fmt: skip
+        content, calls = parse_calls(want.text, specs)
+        assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (call.function.name, call.function.arguments)]
+        stream = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice=choice,
+                                                max_tokens=60, temperature=0, parallel_tool_calls=False,
+                                                stream=True)  # fmt: skip
+        streamed, reasons = [], []
+        for chunk in stream:
+            for c in chunk.choices:
+                streamed += [(t.function.name, t.function.arguments) for t in (c.delta.tool_calls or [])]
+                reasons.append(c.finish_reason)
+        assert streamed == [(call.function.name, call.function.arguments)] and "tool_calls" in reasons
+    turn = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                         "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"time": "12:00"}'}]  # fmt: skip
+    out = client.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, tool_choice="none", max_tokens=16,
+                                         temperature=0)  # fmt: skip
+    assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.content
+
+
+def test_tool_calls_are_read_from_the_forms_models_write():
+    from selfspec.server.tools import ToolSpec, parse_calls
+
+    specs = [ToolSpec.model_validate(t) for t in TOOLS]
+    one = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    for text in (one, f"<tool_call>\n{one}\n</tool_call>", f"```json\n{one}\n```", f"{one}\n{one}"):
+        content, calls = parse_calls(text, specs)
+        assert content is None and calls and all(json.loads(c["function"]["arguments"]) == {"city": "Paris"}
+                                                 for c in calls), text  # fmt: skip
+    content, calls = parse_calls(f"Let me check.<tool_call>{one}</tool_call>", specs)
+    assert content == "Let me check." and len(calls) == 1
+    for text in ("It is sunny.", '{"name": "launch_rockets", "arguments": {}}', f"{one} and more",
+                 '<tool_call>{"name": "get_weather", "arguments": 3}</tool_call>'):  # fmt: skip
+        assert parse_calls(text, specs) == (text, []), text
 
 
 def test_chat_logprobs_are_the_models_own_and_spell_the_answer(server, smollm2):

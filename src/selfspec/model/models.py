@@ -212,8 +212,9 @@ class Model:
         added = self.tokenizer.get_added_vocab() if hasattr(self.tokenizer, "get_added_vocab") else {}
         return frozenset(i for t, i in added.items() if t in END_OF_TURN_TEXTS)
 
-    def encode(self, prompt: str | Sequence[dict]) -> list[int]:
-        """Token ids of a raw-text prompt, or of chat messages rendered with the chat template."""
+    def encode(self, prompt: str | Sequence[dict], *, tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids of a raw-text prompt, or of chat messages rendered with the chat template (with ``tools``:
+        OpenAI-style function descriptions, for a template that shows them)."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InvalidInputError("the prompt is empty")
@@ -223,7 +224,7 @@ class Model:
             raise InvalidInputError('chat prompts are a non-empty list of {"role": ..., "content": ...} messages')
         if not any(str(m["content"]).strip() for m in messages):
             raise InvalidInputError("the prompt is empty")
-        return self.tokenize(self.chat_text(messages), add_special_tokens=False)
+        return self.tokenize(self.chat_text(messages, tools=tools), add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int], *, skip_special: bool = True) -> str:
         """The text of ``token_ids``; special tokens (the end of sequence, chat markers) left out unless
@@ -235,12 +236,14 @@ class Model:
         with the tokens the tokenizer puts around a text (Gemma's BOS), as :meth:`encode` does for raw text."""
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def chat_text(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    def chat_text(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                  tools: Sequence[dict] | None = None) -> str:  # fmt: skip
         """Chat messages rendered with the model's chat template (refused, with the reason, without one)."""
         if not self.has_chat_template:
             raise InvalidInputError(f"model '{self.name}' has no chat template; pass the prompt as raw text")
+        extra = {"tools": list(tools)} if tools else {}
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)  # fmt: skip
+                                                  add_generation_prompt=add_generation_prompt, **extra)  # fmt: skip
 
     @cached_property
     def fim_ids(self) -> tuple[int, int, int] | None:

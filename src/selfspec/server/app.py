@@ -32,6 +32,7 @@ from .schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from .tools import parse_calls
 from .worker import Worker
 
 
@@ -105,7 +106,8 @@ def create_app(worker: Worker, *, api_key: str | None = None, limits: Limits = L
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = _parse(ChatRequest, await _json(request, limits))
-        return await _complete(worker, limits, request, body, [body.prompt()], chat=True)
+        messages, tools = body.rendered(worker.model)
+        return await _complete(worker, limits, request, body, [messages], chat=True, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -131,7 +133,7 @@ def _tokenizer_routes(app: FastAPI, worker: Worker, limits: Limits) -> None:
         model = worker.model
         try:
             if body.messages is not None:
-                text = model.chat_text([m.model_dump(exclude_none=True) for m in body.messages],
+                text = model.chat_text([m.as_dict() for m in body.messages],
                                        add_generation_prompt=body.add_generation_prompt)  # fmt: skip
                 ids = model.tokenize(text, add_special_tokens=False)
             else:
@@ -152,7 +154,8 @@ def _tokenizer_routes(app: FastAPI, worker: Worker, limits: Limits) -> None:
         return {"prompt": worker.model.decode(body.tokens, skip_special=False)}
 
 
-async def _complete(worker: Worker, limits: Limits, request: Request, body, prompts: list[Any], *, chat: bool):
+async def _complete(worker: Worker, limits: Limits, request: Request, body, prompts: list[Any], *, chat: bool,
+                    tools: list[dict] | None = None):  # fmt: skip
     """Validate a completion request (its prompts: chat messages, text or token ids) against the model and the
     limits, queue it, answer or stream."""
     model_name = worker.model.name
@@ -189,7 +192,7 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
                 except InvalidInputError as exc:  # a model without fill-in-the-middle tokens
                     raise ApiError(400, str(exc), param="suffix") from None
             else:
-                ids = worker.model.encode(prompt)
+                ids = worker.model.encode(prompt, tools=tools)
             check_lengths(worker.model, len(ids), limit)
             every_ids.append(ids)
     except InvalidInputError as exc:
@@ -205,7 +208,7 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
         raise ApiError(429, "the server is busy (queue full); retry later", type="rate_limit_error",
                        headers={"Retry-After": str(limits.retry_after_s)}) from None  # fmt: skip
     reply = _Reply(job.id, model_name, chat, sum(map(len, every_ids)), len(prompts) * body.n, job.logprobs,
-                   worker.logprob_formatter)  # fmt: skip
+                   worker.logprob_formatter, calling=body.calling() if chat else None)  # fmt: skip
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_sse(request, job, events, reply, include_usage), media_type="text/event-stream",
@@ -235,6 +238,7 @@ class _Reply:
     n: int = 1
     logprobs: int | None = None  # alternatives per token; None: no logprobs asked for
     formatter: LogprobFormatter | None = None
+    calling: list | None = None  # the tools an answer may call (server/tools.py): its text is read for calls
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -254,8 +258,9 @@ class _Reply:
         out = []
         for i, c in enumerate(choices):
             if self.chat:
-                out.append({"index": i, "message": {"role": "assistant", "content": "".join(c.parts)},
-                            "finish_reason": c.reason, "logprobs": self._logprobs(c.items)})  # fmt: skip
+                message, reason = self.message("".join(c.parts), c.reason)
+                out.append({"index": i, "message": message, "finish_reason": reason,
+                            "logprobs": self._logprobs(c.items)})  # fmt: skip
             else:
                 out.append({"index": i, "text": "".join(c.parts), "finish_reason": c.reason,
                             "logprobs": self._logprobs(c.items)})  # fmt: skip
@@ -264,13 +269,25 @@ class _Reply:
                 "created": self.created, "model": self.model, "choices": out, "usage": self.usage(tokens),
                 "selfspec": _stats(stats)}  # fmt: skip
 
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat answer's message and finish reason: with tools, its calls read out of the text."""
+        if not self.calling:
+            return {"role": "assistant", "content": text}, reason
+        content, calls = parse_calls(text, self.calling)
+        if not calls:
+            return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
     def chunk(self, text: str | None, reason: str | None = None, extra: dict | None = None,
-              role: bool = False, index: int = 0, items: list | None = None) -> dict[str, Any]:  # fmt: skip
+              role: bool = False, index: int = 0, items: list | None = None,
+              calls: list | None = None) -> dict[str, Any]:  # fmt: skip
         logprobs = self._logprobs(items) if items else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
             choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
@@ -342,6 +359,7 @@ async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply,
                ) -> AsyncIterator[str]:  # fmt: skip
     pending = None  # an event taken while merging pieces, handled next
     tokens_sent = 0
+    held: list[list[str]] = [[] for _ in range(reply.n)]  # with tools: each choice's text, read at its end
     try:
         for index in range(reply.n):
             yield _event(reply.chunk("" if reply.chat else None, role=True, index=index))
@@ -359,12 +377,18 @@ async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply,
                         break
                     text, tokens, drafted = text + payload2[1], tokens + payload2[2], drafted + payload2[3]
                     items = [*items, *payload2[4]]
+                if reply.calling:  # the text may be calls: held until the answer is whole, then read
+                    held[index].append(text)
+                    text = ""
                 if text or tokens or items:
                     yield _event(reply.chunk(text, extra={"tokens": tokens, "drafted": drafted}, index=index,
                                              items=items))  # fmt: skip
             elif kind == "end":
                 index, reason, stats, tokens = payload
                 tokens_sent += tokens
+                if reply.calling:
+                    message, reason = reply.message("".join(held[index]), reason)
+                    yield _event(reply.chunk(message["content"], index=index, calls=message.get("tool_calls")))
                 yield _event(reply.chunk(None, reason, extra=_stats(stats), index=index))
             elif kind == "done":
                 if include_usage:

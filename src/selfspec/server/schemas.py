@@ -14,6 +14,7 @@ extensions ride in the body as the ``openai`` client's ``extra_body`` puts them:
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,6 +24,7 @@ from ..decoding import grammar as grammars
 from ..decoding.limits import is_token_ids
 from ..decoding.logprobs import MAX_TOP
 from ..errors import InvalidInputError
+from .tools import ToolChoice, ToolSpec, call_grammar, template_messages
 
 MAX_CHOICES = 8  # ``n``: choices of one prompt, decoded one after the other
 MAX_BATCH = 64  # choices of one text completion request (prompts x n)
@@ -40,11 +42,60 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI's responses give it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # text, or OpenAI's list of text parts (joined)
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it (developer as system; calls' arguments as objects)."""
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class SelfspecOptions(BaseModel):
@@ -86,8 +137,7 @@ class StructuredOutputs(BaseModel):
 
 # OpenAI fields we do not implement, each with the values that ask for nothing (a client sending its defaults)
 UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "best_of": (None, 1), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None, {}),
@@ -204,8 +254,41 @@ class ChatRequest(_Common):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def prompt(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def prompt(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    def calling(self) -> list[ToolSpec] | None:
+        """The tools the answer may call (None: a plain answer, also with ``tool_choice: "none"``)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tools
+
+    def rendered(self, model: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(messages, tools for the chat template) of this request (see server/tools.py)."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+            return self.prompt(), None
+        return template_messages(self.prompt(), self.tools, model)
+
+    def grammar(self) -> str | None:
+        structure = super().grammar()
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return structure
+        choice = self.tool_choice
+        if isinstance(choice, ToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ApiError(400, f"tool_choice names '{choice.function.name}', which is not among the tools",
+                           param="tool_choice")  # fmt: skip
+        if structure is not None:
+            raise ApiError(400, "a tool choice and a response_format cannot both hold the answer", param="tool_choice")
+        try:
+            return call_grammar(self.tools, choice, self.parallel_tool_calls is not False)
+        except InvalidInputError as exc:
+            raise ApiError(400, str(exc), param="tools") from None
 
 
 class CompletionRequest(_Common):
