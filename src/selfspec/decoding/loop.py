@@ -232,6 +232,7 @@ class Decoder:
         # so that a grammar that does not compile is refused before any work
         self._constraint = None if sampling.grammar is None else Constraint(model, sampling.grammar,
                                                                             prompt_len=len(prompt_ids))  # fmt: skip
+        self._round_yield = [0, 0.0, 0.0, 0]  # the method's rounds: tokens, seconds, verification seconds, count
         self.stats: GenerationStats | None = None
 
     @property
@@ -358,12 +359,20 @@ class Decoder:
             return None
         if self._constraint is not None:  # what the grammar forces is drafted for free (no method's round)
             forced = self._constraint.forced(history, min(budget, self._max_nodes - 1))
-            if forced:
+            if forced and self._forced_pays(len(forced)):
                 q = point_masses(forced, self.model) if self._sampler.records_q else None
                 return DraftOutcome(DraftTree.chain(history[-1], forced, q), [1.0] * len(forced), {}, len(forced),
                                     passes=0, grammar=True)  # fmt: skip
         return self.drafter.propose(history, model=self.model, cache=cache, skip=skip, budget=budget,
                                     sampler=self._sampler)  # fmt: skip
+
+    def _forced_pays(self, n: int) -> bool:
+        """Whether a round of ``n`` forced tokens (a verification pass, no draft) is expected to yield more tokens
+        a second than the method's own rounds have so far (which may draft the forced tokens and more)."""
+        tokens, seconds, verify_s, rounds = self._round_yield
+        if not rounds or not seconds:
+            return True
+        return (n + 1) / max(verify_s / rounds, 1e-9) >= tokens / seconds
 
     def _verify(self, cache: KVCache, c: int, token: int, tree: DraftTree | None) -> torch.Tensor:
         engine = self.model.engine
@@ -414,6 +423,9 @@ class Decoder:
             tally.accept_lengths.append(len(path) - 1)
             if self.skip_policy is not None and passes:  # a layer-skip draft (not a hybrid's n-gram round)
                 self.skip_policy.observe(outcome.steps, len(path) - 1)
+        y = self._round_yield
+        if outcome is None or not outcome.grammar:  # the method's round: what it yields, for forced drafts
+            y[0], y[1], y[2], y[3] = y[0] + tokens, y[1] + (t3 - t0), y[2] + (t3 - t2), y[3] + 1
         if outcome is not None and outcome.grammar:  # the drafter did not draft this round: nothing to learn
             tally.grammar_drafted += outcome.steps
             tally.grammar_accepted += len(path) - 1

@@ -177,7 +177,8 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
             raise ApiError(400, str(exc), param="logit_bias") from None
         if sampling.grammar is not None:
             try:
-                check_grammar(worker.model, sampling.grammar)
+                # (off the event loop: the first grammar builds the tokenizer's index, about a second)
+                await asyncio.to_thread(check_grammar, worker.model, sampling.grammar)
             except InvalidInputError as exc:
                 raise ApiError(400, str(exc), param="response_format") from None
         every_ids = []
