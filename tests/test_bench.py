@@ -186,8 +186,8 @@ def _corrupt(monkeypatch, label: str) -> None:
     """Make ``label`` emit one wrong token per prompt, as a buggy acceptance rule would."""
     real_call = bench_runner._Runner.call
 
-    def call(self, method, session, prompt, index):
-        tokens, text, stats = real_call(self, method, session, prompt, index)
+    def call(self, method, session, prompt, index, grammar=None):
+        tokens, text, stats = real_call(self, method, session, prompt, index, grammar)
         if method.label == label and tokens:
             k = len(tokens) // 2
             tokens = tokens[:k] + ((tokens[k] + 1) % self.model.hf.config.vocab_size,) + tokens[k + 1 :]
@@ -258,10 +258,10 @@ def test_greedy_with_a_repetition_penalty_is_judged_against_transformers_too(mod
 def test_a_failing_method_is_recorded_and_the_run_goes_on(model, monkeypatch):
     real_call = bench_runner._Runner.call
 
-    def call(self, method, session, prompt, index):
+    def call(self, method, session, prompt, index, grammar=None):
         if method.label == "hf-lookup":
             raise RuntimeError("peer exploded")
-        return real_call(self, method, session, prompt, index)
+        return real_call(self, method, session, prompt, index, grammar)
 
     monkeypatch.setattr(bench_runner._Runner, "call", call)
     result = run_benchmark(model, PROMPTS[:2], "hf-lookup,asd", max_new_tokens=8, warmup=0)
@@ -435,3 +435,28 @@ def test_prefill_and_decode_rates_are_reported_apart(run, tmp_path):
     row = next(m for m in data["methods"] if m["label"] == "vanilla")
     assert row["decode_tokens_per_second"] == pytest.approx(summary.method("vanilla").decode_tokens_per_second)
     assert "tokens/s (prefill / decode)" in paths["report"].read_text()
+
+
+def test_prompts_with_a_structure_are_held_to_it_and_judged_lossless(model, tmp_path):
+    """A JSONL record's ``regex`` / ``json_schema`` holds every method's answer to it (the peers, which take
+    none, are refused per prompt); every method still gives vanilla's tokens."""
+    from selfspec.datasets import load_prompts
+
+    data = tmp_path / "shaped.jsonl"
+    data.write_text(json.dumps({"id": "r", "prompt": PROMPTS[0].prompt, "regex": "([a-e]{2,4} ){3,6}[0-9]+"}) + "\n"
+                    + json.dumps({"id": "p", "prompt": PROMPTS[1].prompt}) + "\n")  # fmt: skip
+    items = load_prompts(str(data))
+    assert items[0].grammar and items[1].grammar is None
+    result = run_benchmark(model, items, "pld,asd:preset=paper@asd,hf", max_new_tokens=20, warmup=0)
+    held = [r for r in result.records if r.prompt_id == "r" and r.method != "hf"]
+    assert {r.identical_to_vanilla for r in held} == {True}
+    assert all(set(r.text.replace(" ", "")) <= set("abcde0123456789") for r in held)
+    hf = next(r for r in result.records if r.prompt_id == "r" and r.method == "hf")
+    assert not hf.ok and "takes no structure" in hf.error
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "regex": "a", "choice": ["b"]}) + "\n")
+    with pytest.raises(InvalidInputError, match="record 1: give one of"):
+        load_prompts(str(bad))
+    shipped = load_prompts("structured")
+    assert len(shipped) == 12 and all(item.grammar for item in shipped)
+    assert {item.task for item in shipped} == {"extraction", "generation", "classification", "code"}

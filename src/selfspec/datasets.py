@@ -11,8 +11,13 @@ Spec-Bench (Xia et al. 2024; its 480 questions ship with this package under
 ``math_reasoning``, ``rag``; ``limit`` and ``offset`` apply per category, and
 ``categories`` picks some.
 
+``structured`` (ours, shipped under ``selfspec/data/structured``): twelve requests in four categories whose
+answers are held to a JSON schema each (structured output, decoding/grammar.py).
+
 A JSONL file works too: one object per line with a ``prompt`` (raw text) or
-``messages`` (chat) field, and optionally an ``id``.
+``messages`` (chat) field, optionally an ``id``, and optionally a structure
+for the answer: ``json_schema``, ``regex``, ``choice`` (a list of texts) or
+``lark`` (a grammar).
 """
 
 from __future__ import annotations
@@ -42,10 +47,13 @@ class PromptItem:
     id: str
     task: str
     prompt: str | list[dict[str, str]]
+    grammar: str | None = None  # the structure the answer is held to (decoding/grammar.py), if any
 
 
 SPEC_BENCH = "spec-bench"
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+STRUCTURED = "structured"
+STRUCTURE_FIELDS = ("json_schema", "regex", "choice", "lark")
 
 
 def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offset: int = 0,
@@ -58,14 +66,18 @@ def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offs
         return _spec_bench(limit, offset, chat, categories)
     if categories:
         raise InvalidInputError(f"categories apply to {SPEC_BENCH} only, not to '{name}'")
-    if name in DATASETS:
+    if name == STRUCTURED:
+        path = Path(__file__).parent / "data" / "structured" / "tasks.jsonl"
+        items = [PromptItem(r["id"], r["category"], _chat_or_raw(chat, r["instruction"], f"{r['instruction']}\n"),
+                            _grammar(r)) for r in _read_records(path)]  # fmt: skip
+    elif name in DATASETS:
         records = _read_records(_data_file(name))
         items = [_to_prompt(name, r, chat) for r in records]
     else:
         path = Path(name)
         if not path.is_file():
             raise InvalidInputError(f"unknown dataset '{name}': not one of "
-                                    f"{', '.join([*DATASETS, SPEC_BENCH])} nor a JSONL file")  # fmt: skip
+                                    f"{', '.join([*DATASETS, SPEC_BENCH, STRUCTURED])} nor a JSONL file")  # fmt: skip
         items = [_from_jsonl(r, i, path.stem, chat) for i, r in enumerate(_read_records(path))]
     items = items[offset:]
     return items[:limit] if limit is not None else items
@@ -138,4 +150,22 @@ def _from_jsonl(r: dict[str, Any], i: int, task: str, chat: bool) -> PromptItem:
         prompt = r["prompt"]
     else:
         raise InvalidInputError(f"JSONL record {i + 1} has neither a 'prompt' nor a 'messages' field")
-    return PromptItem(str(r.get("id", i)), task, prompt)
+    try:
+        grammar = _grammar(r)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"JSONL record {i + 1}: {exc}") from None
+    return PromptItem(str(r.get("id", i)), task, prompt, grammar)
+
+
+def _grammar(r: dict[str, Any]) -> str | None:
+    """The structure a record holds its answer to (one of STRUCTURE_FIELDS), as a grammar; None without one."""
+    given = [f for f in STRUCTURE_FIELDS if r.get(f) is not None]
+    if len(given) > 1:
+        raise InvalidInputError(f"give one of {', '.join(STRUCTURE_FIELDS)}, not {' and '.join(given)}")
+    if not given:
+        return None
+    from .decoding import grammar
+
+    make = {"json_schema": grammar.json_schema, "regex": grammar.regex, "choice": grammar.choice,
+            "lark": grammar.lark}[given[0]]  # fmt: skip
+    return make(r[given[0]])

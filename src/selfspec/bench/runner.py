@@ -135,9 +135,14 @@ class _Runner:
         scheme = method.options.get(SCHEME_OPTION, s.scheme) if method is not None else s.scheme
         return dataclasses.replace(s, seed=None if s.seed is None else s.seed + max(index, 0), scheme=scheme)
 
-    def call(self, method: BenchMethod, session: Session | None, prompt: Any, index: int):
-        """(token ids, text, stats dict) of one generation."""
+    def call(self, method: BenchMethod, session: Session | None, prompt: Any, index: int,
+             grammar: str | None = None):  # fmt: skip
+        """(token ids, text, stats dict) of one generation (``grammar``: the prompt's structure, if any)."""
         sampling = self.sampling_for(index, method)
+        if grammar is not None:
+            if method.is_peer:
+                raise InvalidInputError(f"peer '{method.name}' takes no structure for its answer")
+            sampling = dataclasses.replace(sampling, grammar=grammar)
         if method.is_peer:
             ids = self.model.encode(prompt)
             check_lengths(self.model, len(ids), self.max_new_tokens)
@@ -168,7 +173,7 @@ class _Runner:
         self.memory.start()
         t0 = time.perf_counter()
         try:
-            tokens, text, stats = self.call(method, session, item.prompt, index)
+            tokens, text, stats = self.call(method, session, item.prompt, index, item.grammar)
             error = None
         except Exception as exc:  # a failing method must not end the whole run
             tokens, text, stats = (), "", None

@@ -56,7 +56,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     )
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--dataset", help="xsum, humaneval, mtbench, spec-bench or PATH.jsonl (default xsum)")
+    src.add_argument("--dataset", help="xsum, humaneval, mtbench, spec-bench, structured (answers held to JSON "
+                                       "schemas) or PATH.jsonl (default xsum)")
     src.add_argument("--stream", help="domain-shift stream: comma-separated datasets, e.g. xsum,humaneval,mtbench")
     p.add_argument("--limit", type=int, default=10, help="prompts (per task with --stream; default 10)")
     p.add_argument("--offset", type=int, default=0, help="skip the first N prompts of each dataset (default 0)")
