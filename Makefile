@@ -54,6 +54,7 @@ BENCH := $(BIN)/selfspec bench --max-new-tokens 128 --warmup 1
 SPEC5 := --dataset spec-bench --limit 5 --methods vanilla,auto,pld,suffix,swift,asd
 XH := --stream xsum,humaneval --limit 5 --methods vanilla,asd,auto,pld
 SELFDRAFT := --dataset spec-bench --max-new-tokens 128 --warmup 1 --methods vanilla,lowbit,vocab,asd,auto,pld
+STRUCTURED := --dataset structured --limit 12 --max-new-tokens 192 --warmup 1
 PEERS := --dataset spec-bench --limit 2 --methods vanilla,auto,pld,suffix,asd,swift,lookahead,hf,llamacpp --llama-cpp $(LLAMA_CPP)
 
 results: install
@@ -72,6 +73,10 @@ results: install
 	$(BIN)/selfspec bench --model smollm2-135m $(SELFDRAFT) --limit 2 --out docs/results/selfdraft-smollm2-135m
 	$(BIN)/selfspec bench --model gemma3-270m $(SELFDRAFT) --limit 2 --out docs/results/selfdraft-gemma3-270m
 	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(SELFDRAFT) --limit 5 --out docs/results/selfdraft-qwen2.5-coder-0.5b
+	$(BIN)/selfspec bench --model smollm2-135m $(STRUCTURED) --methods vanilla,pld,vocab,asd,auto \
+		--out docs/results/structured-smollm2-135m
+	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(STRUCTURED) --methods vanilla,pld,lowbit,vocab,auto \
+		--out docs/results/structured-qwen2.5-coder-0.5b
 	$(BIN)/selfspec bench --model smollm2-135m --dataset spec-bench --limit 6 --clients 4 --requests 8 \
 		--methods vanilla,auto,llamacpp --max-new-tokens 64 --llama-cpp $(LLAMA_CPP) --out docs/results/load-smollm2-135m
 

@@ -455,6 +455,27 @@ def test_n_choices_are_the_seeds_one_after_another(server, smollm2):
         assert sum(1 for c in chunks if c.choices and c.choices[0].index == i and c.choices[0].finish_reason) == 1
 
 
+def test_best_of_keeps_the_candidates_with_the_highest_mean_log_probability(server, smollm2):
+    """best_of candidates are the seeds seed..seed+best_of-1 (as n's choices); the n kept are those whose tokens
+    have the highest mean log-probability under the model, best first; not streamed."""
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 21, "best_of": 4, "n": 2}
+    code, reply = post(f"{server.url}/v1/completions", json.dumps(body).encode())
+    assert code == 200, reply
+    scored = []
+    for i in range(4):
+        r = selfspec.generate(smollm2, "Once upon a time", "vanilla", max_new_tokens=12, temperature=1.0,
+                              seed=21 + i, logprobs=0)  # fmt: skip
+        scored.append((sum(e.logprob for e in r.logprobs) / len(r.logprobs), r.text))
+    want = [text for _, text in sorted(scored, reverse=True)[:2]]
+    assert [c["text"] for c in reply["choices"]] == want and [c["index"] for c in reply["choices"]] == [0, 1]
+    assert reply["choices"][0]["logprobs"] is None  # not asked for: used for the ranking only
+    assert len({text for _, text in scored}) > 2  # the candidates differ: the ranking chose
+    for bad, words in (({"best_of": 1, "n": 2}, "at least n"), ({"best_of": 3, "stream": True}, "cannot be streamed"),
+                       ({"best_of": 9}, "best_of")):  # fmt: skip
+        code, reply = post(f"{server.url}/v1/completions", json.dumps({"prompt": "Hi", **bad}).encode())
+        assert code == 400 and words in reply["error"]["message"], reply
+
+
 def _stream_and_hang_up(url: str, max_tokens: int) -> None:
     """Streams a long chat answer and closes the connection after a few chunks."""
     body = json.dumps({"messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()

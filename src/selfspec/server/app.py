@@ -201,20 +201,23 @@ async def _complete(worker: Worker, limits: Limits, request: Request, body, prom
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     echo = getattr(body, "echo", False)
-    job = Job(every_ids, method, sampling, limit, body.stops(), loop_emitter(loop, events), logprobs=body.logprob_top(),
-              n=body.n, batch=True, echo=echo)  # fmt: skip
+    per_prompt = body.candidates() if hasattr(body, "candidates") else body.n  # best_of: candidates, the n best kept
+    ranked = per_prompt > body.n  # ranked by their tokens' mean log-probability: recorded even if not asked for
+    logprobs = body.logprob_top() if not ranked else (body.logprob_top() or 0)
+    job = Job(every_ids, method, sampling, limit, body.stops(), loop_emitter(loop, events), logprobs=logprobs,
+              n=per_prompt, batch=True, echo=echo)  # fmt: skip
     try:
         worker.submit(job)
     except QueueFull:
         raise ApiError(429, "the server is busy (queue full); retry later", type="rate_limit_error",
                        headers={"Retry-After": str(limits.retry_after_s)}) from None  # fmt: skip
-    reply = _Reply(job.id, model_name, chat, sum(map(len, every_ids)), len(prompts) * body.n, job.logprobs,
+    reply = _Reply(job.id, model_name, chat, sum(map(len, every_ids)), len(prompts) * per_prompt, body.logprob_top(),
                    worker.logprob_formatter, calling=body.calling() if chat else None)  # fmt: skip
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_sse(request, job, events, reply, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
-    return await _gather(request, job, events, reply)
+    return await _gather(request, job, events, reply, keep=body.n if ranked else None)
 
 
 KNOWN_PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize",
@@ -309,6 +312,19 @@ class _Choice:
     tokens: int = 0
 
 
+def _best(choices: list[_Choice], per_prompt: int, keep: int) -> list[_Choice]:
+    """Of each prompt's candidates, the ``keep`` whose generated tokens have the highest mean log-probability
+    (OpenAI's ``best_of``; an echoed prompt's figures, which come first, are not counted), best first."""
+    def score(c: _Choice) -> float:
+        generated = [e.logprob for _, e in c.items[max(0, len(c.items) - c.tokens) :] if e.logprob is not None]
+        return sum(generated) / len(generated) if generated else float("-inf")
+
+    out = []
+    for p in range(0, len(choices), per_prompt):
+        out += sorted(choices[p : p + per_prompt], key=score, reverse=True)[:keep]
+    return out
+
+
 def _stats(stats) -> dict[str, Any] | None:
     if stats is None:
         return None
@@ -331,7 +347,8 @@ async def _next(request: Request, job: Job, events: asyncio.Queue):
                 return ("gone", None)
 
 
-async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Reply):
+async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Reply, keep: int | None = None):
+    """The whole response; ``keep``: of each prompt's ``job.n`` candidates, the ``keep`` best (``best_of``)."""
     choices = [_Choice() for _ in range(reply.n)]
     first_stats = None
     try:
@@ -346,6 +363,8 @@ async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Rep
                 choices[index].reason, choices[index].tokens = reason, tokens
                 first_stats = stats if index == 0 else first_stats
             elif kind == "done":
+                if keep is not None:
+                    choices = _best(choices, job.n, keep)
                 return JSONResponse(reply.whole(choices, first_stats))
             elif kind == "error":
                 status, message = payload

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints we serve, validated strictly, and the errors they answer with.
 
 Unknown fields are refused (a typo must not be silently ignored); fields of the
-OpenAI schema that we do not implement (``tools``, ``best_of``)
+OpenAI schema that we do not implement (``functions``, audio)
 are refused with a message saying so, unless they ask
 for nothing: many clients send every field with its default (``"logprobs":
 false``, ``"tools": []``, ``"response_format": {"type": "text"}``, null), and
@@ -138,7 +138,7 @@ class StructuredOutputs(BaseModel):
 # OpenAI fields we do not implement, each with the values that ask for nothing (a client sending its defaults)
 UNSUPPORTED_OPENAI_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"),
-    "best_of": (None, 1), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "service_tier": (None, "auto", "default"), "store": (None, False),
     "metadata": (None, {}),
 }  # fmt: skip
@@ -298,6 +298,18 @@ class CompletionRequest(_Common):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP)  # alternatives per token (OpenAI: at most 5)
     suffix: str | None = None  # the text after the completion: fill in the middle (code models trained for it)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # candidates per prompt; the n best are kept
+
+    def candidates(self) -> int:
+        """Choices decoded per prompt: ``best_of`` where given, else ``n``."""
+        return self.best_of or self.n
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of < self.n:
+            raise ApiError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.candidates() > self.n and self.stream:
+            raise ApiError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
 
     def logprob_top(self) -> int | None:
         return self.logprobs
@@ -313,8 +325,9 @@ class CompletionRequest(_Common):
             raise ApiError(400, "prompt is empty", param="prompt")
         if self.suffix and (self.echo or any(not isinstance(x, str) for x in prompts)):
             raise ApiError(400, "suffix: fill in the middle takes text prompts, without echo", param="suffix")
-        if len(prompts) * self.n > MAX_BATCH:
-            raise ApiError(400, f"prompt: {len(prompts)} prompts x n={self.n} choices; at most {MAX_BATCH} choices "
+        if len(prompts) * self.candidates() > MAX_BATCH:
+            raise ApiError(400, f"prompt: {len(prompts)} prompts x {self.candidates()} choices; at most {MAX_BATCH} "
+                           "choices "
                            "per request", param="prompt")  # fmt: skip
         return prompts
 
