@@ -17,10 +17,10 @@ import llguidance
 import pytest
 import torch
 from conftest import tiny_model
-from test_sampling import CORRECT_P, chi_square_p, sample_outputs
+from test_sampling import CORRECT_P, chi_square_p, exact_distribution, sample_outputs
 
 import selfspec
-from selfspec.core.sampling import SamplingParams, warp
+from selfspec.core.sampling import SamplingParams
 from selfspec.decoding import grammar
 from selfspec.decoding.grammar import Constraint, _tokenizer
 from selfspec.errors import InvalidInputError
@@ -116,31 +116,11 @@ def test_what_the_grammar_forces_is_drafted_for_free_and_changes_nothing(tiny_ll
         assert out.stats.forwards < base.stats.forwards
 
 
-def _exact_constrained(model, params: SamplingParams, spec: str, new: int) -> dict[tuple[int, ...], float]:
-    """P(first ``new`` tokens) under the grammar: transformers' logits, a fresh matcher's mask at every prefix."""
-    out: dict[tuple[int, ...], float] = {}
-
-    def expand(prefix: tuple[int, ...], prob: float) -> None:
-        with torch.inference_mode():
-            logits = model.hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-        allowed = _fresh_allowed(model, spec, list(prefix))
-        logits = logits.masked_fill(~torch.isin(torch.arange(8), torch.tensor(sorted(allowed))), float("-inf"))
-        p = warp(logits[None], params, [torch.tensor([*PROMPT, *prefix])])[0]
-        for t in torch.nonzero(p).flatten().tolist():
-            seq = prefix + (t,)
-            if t in model.eos_token_ids or len(seq) == new:
-                out[seq] = out.get(seq, 0.0) + prob * float(p[t])
-            else:
-                expand(seq, prob * float(p[t]))
-
-    expand((), 1.0)
-    return out
-
-
 @pytest.mark.parametrize("scheme", ["rejection", "coupled"])
 def test_sampling_under_a_grammar_is_exactly_the_constrained_distribution(small_vocab, scheme):
     params = SamplingParams(1.0, scheme=scheme, grammar=grammar.regex(PATTERN))
-    expected = _exact_constrained(small_vocab, params, params.grammar, new=4)
+    expected = exact_distribution(small_vocab, params, prompt=PROMPT, new=4,
+                                  allowed=lambda prefix: _fresh_allowed(small_vocab, params.grammar, list(prefix)))
     assert all(len(seq) == 4 or seq[-1] == 2 for seq in expected)
     n = 1500
     options = {"schedule": "paper", "epsilon": 0.0, "max_draft": 3, "skip_ratio": 0.3, "draft_dtype": "same",

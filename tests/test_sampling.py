@@ -219,9 +219,11 @@ def small_vocab():
 _EXACT: dict = {}
 
 
-def exact_distribution(model, params: SamplingParams, prompt=PROMPT, new=NEW) -> dict[tuple[int, ...], float]:
-    """P(first ``new`` tokens), enumerated with transformers' forward pass (EOS ends a sequence early)."""
-    key = (id(model), params, tuple(prompt), new)
+def exact_distribution(model, params: SamplingParams, prompt=PROMPT, new=NEW,
+                       allowed: Callable[[tuple[int, ...]], set[int]] | None = None) -> dict[tuple[int, ...], float]:
+    """P(first ``new`` tokens), enumerated with transformers' forward pass (EOS ends a sequence early);
+    ``allowed``: the tokens a constraint lets follow an output (the others' logits set to -inf first)."""
+    key = (id(model), params, tuple(prompt), new, allowed)
     if key in _EXACT:
         return _EXACT[key]
     out: dict[tuple[int, ...], float] = {}
@@ -229,6 +231,9 @@ def exact_distribution(model, params: SamplingParams, prompt=PROMPT, new=NEW) ->
     def expand(prefix: tuple[int, ...], prob: float) -> None:
         with torch.inference_mode():
             logits = model.hf(torch.tensor([list(prompt) + list(prefix)])).logits[0, -1]
+        if allowed is not None:
+            keep = torch.isin(torch.arange(logits.shape[-1]), torch.tensor(sorted(allowed(prefix))))
+            logits = logits.masked_fill(~keep, float("-inf"))
         p = warp(logits[None], params, [torch.tensor([*prompt, *prefix])])[0]
         for t in torch.nonzero(p).flatten().tolist():
             seq = prefix + (t,)
