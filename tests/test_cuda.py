@@ -1,7 +1,8 @@
 """The CUDA path (torch's kernels; the fused CPU stack never runs there): every method keeps vanilla's greedy
 tokens and seeded samples on tiny random models of three architectures, in float32 and bfloat16; concurrent
 requests through one batcher (the server's slots) each get their tokens alone; a session's prefix store says
-why it stays unused there and its turns equal fresh ones; the CLI takes ``--device cuda``.  Skipped without a
+why it stays unused there and its turns equal fresh ones; the CLI takes ``--device cuda``; a grammar holds every
+method there too.  Skipped without a
 CUDA GPU (CI has none); run on one with ``pytest tests/test_cuda.py``."""
 
 from __future__ import annotations
@@ -133,3 +134,18 @@ def test_penalties_and_logprobs_on_cuda():
     ids = model.encode("Hello there, general")
     scored = prompt_logprobs(model, ids, top=1)
     assert len(scored) == len(ids) and scored[0].logprob is None and all(e.logprob <= 0 for e in scored[1:])
+
+
+def test_a_grammar_holds_every_method_on_cuda():
+    """Structured output on the GPU: the grammar's masks (made on the CPU) reach the logits' device; every
+    method keeps vanilla's tokens under it, greedy and seeded, and forced tokens are drafted."""
+    model = _cuda_model("llama", torch.float32)
+    spec = selfspec.grammar.regex(r"(hello|world)( (hello|world)){3,6}\.")
+    for extra in ({}, {"temperature": 0.9, "seed": 3}):
+        base = selfspec.generate(model, "say:", "vanilla", max_new_tokens=48, grammar=spec, **extra)
+        text = model.decode(list(base.token_ids), skip_special=True).replace(" ", "")
+        assert set(text) <= set("helowrd.")
+        for method in ("pld", "swift", "asd"):
+            got = selfspec.generate(model, "say:", method, max_new_tokens=48, grammar=spec, **extra)
+            assert got.token_ids == base.token_ids, (method, extra)
+            assert got.stats.grammar_drafted > 0
