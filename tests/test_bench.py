@@ -446,7 +446,7 @@ def test_prompts_with_a_structure_are_held_to_it_and_judged_lossless(model, tmp_
     data.write_text(json.dumps({"id": "r", "prompt": PROMPTS[0].prompt, "regex": "([a-e]{2,4} ){3,6}[0-9]+"}) + "\n"
                     + json.dumps({"id": "p", "prompt": PROMPTS[1].prompt}) + "\n")  # fmt: skip
     items = load_prompts(str(data))
-    assert items[0].grammar and items[1].grammar is None
+    assert items[0].structure[0] == "regex" and items[1].structure is None
     result = run_benchmark(model, items, "pld,asd:preset=paper@asd,hf", max_new_tokens=20, warmup=0)
     held = [r for r in result.records if r.prompt_id == "r" and r.method != "hf"]
     assert {r.identical_to_vanilla for r in held} == {True}
@@ -458,5 +458,5 @@ def test_prompts_with_a_structure_are_held_to_it_and_judged_lossless(model, tmp_
     with pytest.raises(InvalidInputError, match="record 1: give one of"):
         load_prompts(str(bad))
     shipped = load_prompts("structured")
-    assert len(shipped) == 12 and all(item.grammar for item in shipped)
+    assert len(shipped) == 12 and all(item.structure[0] == "json_schema" for item in shipped)
     assert {item.task for item in shipped} == {"extraction", "generation", "classification", "code"}

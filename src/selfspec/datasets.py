@@ -47,13 +47,13 @@ class PromptItem:
     id: str
     task: str
     prompt: str | list[dict[str, str]]
-    grammar: str | None = None  # the structure the answer is held to (decoding/grammar.py), if any
+    structure: tuple[str, Any] | None = None  # what the answer is held to: (kind, value), decoding/grammar.py's
 
 
 SPEC_BENCH = "spec-bench"
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 STRUCTURED = "structured"
-STRUCTURE_FIELDS = ("json_schema", "regex", "choice", "lark")
+STRUCTURE_FIELDS = ("json_schema", "regex", "choice", "lark")  # (decoding/grammar.KINDS, which make grammars of them)
 
 
 def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offset: int = 0,
@@ -69,7 +69,7 @@ def load_prompts(name: str, *, limit: int | None = None, chat: bool = True, offs
     if name == STRUCTURED:
         path = Path(__file__).parent / "data" / "structured" / "tasks.jsonl"
         items = [PromptItem(r["id"], r["category"], _chat_or_raw(chat, r["instruction"], f"{r['instruction']}\n"),
-                            _grammar(r)) for r in _read_records(path)]  # fmt: skip
+                            _structure(r)) for r in _read_records(path)]  # fmt: skip
     elif name in DATASETS:
         records = _read_records(_data_file(name))
         items = [_to_prompt(name, r, chat) for r in records]
@@ -151,21 +151,15 @@ def _from_jsonl(r: dict[str, Any], i: int, task: str, chat: bool) -> PromptItem:
     else:
         raise InvalidInputError(f"JSONL record {i + 1} has neither a 'prompt' nor a 'messages' field")
     try:
-        grammar = _grammar(r)
+        structure = _structure(r)
     except InvalidInputError as exc:
         raise InvalidInputError(f"JSONL record {i + 1}: {exc}") from None
-    return PromptItem(str(r.get("id", i)), task, prompt, grammar)
+    return PromptItem(str(r.get("id", i)), task, prompt, structure)
 
 
-def _grammar(r: dict[str, Any]) -> str | None:
-    """The structure a record holds its answer to (one of STRUCTURE_FIELDS), as a grammar; None without one."""
+def _structure(r: dict[str, Any]) -> tuple[str, Any] | None:
+    """The structure a record holds its answer to, (one of STRUCTURE_FIELDS, its value); None without one."""
     given = [f for f in STRUCTURE_FIELDS if r.get(f) is not None]
     if len(given) > 1:
         raise InvalidInputError(f"give one of {', '.join(STRUCTURE_FIELDS)}, not {' and '.join(given)}")
-    if not given:
-        return None
-    from .decoding import grammar
-
-    make = {"json_schema": grammar.json_schema, "regex": grammar.regex, "choice": grammar.choice,
-            "lark": grammar.lark}[given[0]]  # fmt: skip
-    return make(r[given[0]])
+    return (given[0], r[given[0]]) if given else None

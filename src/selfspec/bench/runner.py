@@ -44,6 +44,7 @@ from ..api import Session
 from ..core import quant
 from ..core.sampling import GREEDY, SamplingParams
 from ..datasets import PromptItem
+from ..decoding import grammar as grammars
 from ..decoding.loop import check_lengths, prefill_cosine
 from ..errors import InvalidInputError
 from ..model.models import Model
@@ -173,7 +174,8 @@ class _Runner:
         self.memory.start()
         t0 = time.perf_counter()
         try:
-            tokens, text, stats = self.call(method, session, item.prompt, index, item.grammar)
+            grammar = None if item.structure is None else grammars.of(*item.structure)
+            tokens, text, stats = self.call(method, session, item.prompt, index, grammar)
             error = None
         except Exception as exc:  # a failing method must not end the whole run
             tokens, text, stats = (), "", None

@@ -79,6 +79,18 @@ def choice(options: Sequence[str]) -> str:
     return lark("start: " + " | ".join(json.dumps(o) for o in options))
 
 
+KINDS = ("json_schema", "regex", "choice", "lark")  # the ways to give a structure, by the argument each takes
+
+
+def of(kind: str, value: Any) -> str:
+    """The grammar of a structure given as ``kind`` (one of KINDS) and its value (a schema, a pattern, a list of
+    texts, a Lark grammar)."""
+    makers = {"json_schema": json_schema, "regex": regex, "choice": choice, "lark": lark}
+    if kind not in makers:
+        raise InvalidInputError(f"unknown kind of structure {kind!r}; one of {', '.join(KINDS)}")
+    return makers[kind](value)
+
+
 def _tokenizer(model: Any):
     """llguidance's view of the model's tokenizer (built once per tokenizer: about a second), with the logits'
     width as its vocabulary and the model's end-of-sequence tokens as its ends."""

@@ -205,9 +205,7 @@ class _Common(BaseModel):
             if not kinds:
                 return None
             kind = kinds[0]
-            make = {"json_": grammars.json_schema, "regex": grammars.regex, "choice": grammars.choice,
-                    "grammar": grammars.lark}[kind]  # fmt: skip
-            return make(getattr(so, kind))
+            return grammars.of({"json_": "json_schema", "grammar": "lark"}.get(kind, kind), getattr(so, kind))
         except InvalidInputError as exc:
             raise ApiError(400, str(exc), param="response_format" if asked else "structured_outputs") from None
 
