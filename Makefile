@@ -77,6 +77,8 @@ results: install
 		--out docs/results/structured-smollm2-135m
 	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(STRUCTURED) --methods vanilla,pld,lowbit,vocab,auto \
 		--out docs/results/structured-qwen2.5-coder-0.5b
+	$(BIN)/selfspec bench --model gemma3-270m $(STRUCTURED) --methods vanilla,pld,asd,auto \
+		--out docs/results/structured-gemma3-270m
 	$(BIN)/selfspec bench --model smollm2-135m --dataset spec-bench --limit 6 --clients 4 --requests 8 \
 		--methods vanilla,auto,llamacpp --max-new-tokens 64 --llama-cpp $(LLAMA_CPP) --out docs/results/load-smollm2-135m
 

@@ -461,14 +461,16 @@ def test_best_of_keeps_the_candidates_with_the_highest_mean_log_probability(serv
     body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 21, "best_of": 4, "n": 2}
     code, reply = post(f"{server.url}/v1/completions", json.dumps(body).encode())
     assert code == 200, reply
-    scored = []
+    scored, generated = [], 0
     for i in range(4):
         r = selfspec.generate(smollm2, "Once upon a time", "vanilla", max_new_tokens=12, temperature=1.0,
                               seed=21 + i, logprobs=0)  # fmt: skip
         scored.append((sum(e.logprob for e in r.logprobs) / len(r.logprobs), r.text))
+        generated += len(r.token_ids)
     want = [text for _, text in sorted(scored, reverse=True)[:2]]
     assert [c["text"] for c in reply["choices"]] == want and [c["index"] for c in reply["choices"]] == [0, 1]
     assert reply["choices"][0]["logprobs"] is None  # not asked for: used for the ranking only
+    assert reply["usage"]["completion_tokens"] == generated  # every candidate's tokens count
     assert len({text for _, text in scored}) > 2  # the candidates differ: the ranking chose
     for bad, words in (({"best_of": 1, "n": 2}, "at least n"), ({"best_of": 3, "stream": True}, "cannot be streamed"),
                        ({"best_of": 9}, "best_of")):  # fmt: skip

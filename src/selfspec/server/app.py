@@ -258,7 +258,8 @@ class _Reply:
             return None
         return self.formatter.chat(items) if self.chat else self.formatter.completion(items, self.logprobs)
 
-    def whole(self, choices: list[_Choice], stats) -> dict[str, Any]:
+    def whole(self, choices: list[_Choice], stats, tokens: int | None = None) -> dict[str, Any]:
+        """The response; ``tokens``: the completion tokens generated (``best_of``'s candidates all count)."""
         out = []
         for i, c in enumerate(choices):
             if self.chat:
@@ -268,7 +269,7 @@ class _Reply:
             else:
                 out.append({"index": i, "text": "".join(c.parts), "finish_reason": c.reason,
                             "logprobs": self._logprobs(c.items)})  # fmt: skip
-        tokens = sum(c.tokens for c in choices)
+        tokens = sum(c.tokens for c in choices) if tokens is None else tokens
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": self.usage(tokens),
                 "selfspec": _stats(stats)}  # fmt: skip
@@ -363,9 +364,10 @@ async def _gather(request: Request, job: Job, events: asyncio.Queue, reply: _Rep
                 choices[index].reason, choices[index].tokens = reason, tokens
                 first_stats = stats if index == 0 else first_stats
             elif kind == "done":
+                generated = sum(c.tokens for c in choices)
                 if keep is not None:
                     choices = _best(choices, job.n, keep)
-                return JSONResponse(reply.whole(choices, first_stats))
+                return JSONResponse(reply.whole(choices, first_stats, generated))
             elif kind == "error":
                 status, message = payload
                 raise ApiError(status, message, type="server_error" if status >= 500 else "invalid_request_error")
