@@ -305,6 +305,42 @@ def test_tool_calls_are_held_to_the_tools_and_are_generates_answer(server, smoll
     assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.content
 
 
+def test_with_tools_a_plain_answer_still_streams(server, smollm2):
+    """tool_choice "auto": an answer that does not begin like a call streams piece by piece, and equals the
+    plain reply; a call would be held and read at the end (CallStream, below)."""
+    client = server.client()
+    ask = [{"role": "user", "content": "Tell me a short story about a cat."}]
+    plain = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, max_tokens=40, temperature=0)
+    text = plain.choices[0].message.content
+    assert text and not plain.choices[0].message.tool_calls and not text.lstrip().startswith(("{", "[", "`", "<"))
+    stream = client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, max_tokens=40, temperature=0,
+                                            stream=True)  # fmt: skip
+    pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == text and len(pieces) > 3
+
+
+def test_a_streamed_answer_is_held_only_where_it_may_be_a_call():
+    from selfspec.server.tools import CallStream, ToolSpec
+
+    specs = [ToolSpec.model_validate(t) for t in TOOLS]
+    one = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+    def streamed(text):
+        cs = CallStream(specs)
+        sent = "".join(cs.feed(text[i : i + 3]) for i in range(0, len(text), 3))
+        content, calls = cs.finish()
+        return sent, content, [json.loads(c["function"]["arguments"]) for c in calls]
+
+    paris = [{"city": "Paris"}]
+    assert streamed("It is sunny.") == ("It is sunny.", None, [])
+    assert streamed("a <b>bold</b> claim < 3") == ("a <b>bold</b> claim < 3", None, [])
+    assert streamed("```python\nprint(1)\n```")[0] == "```python\nprint(1)\n```"
+    for held in (one, f"```json\n{one}\n```", f"<tool_call>{one}</tool_call>", f"  \n{one}"):
+        assert streamed(held) == ("", None, paris), held
+    assert streamed(f"Let me check.<tool_call>{one}</tool_call>") == ("Let me check.", None, paris)
+    assert streamed('{"not": "a call"}') == ("", '{"not": "a call"}', [])  # held, then sent as content
+
+
 def test_tool_calls_are_read_from_the_forms_models_write():
     from selfspec.server.tools import ToolSpec, parse_calls
 

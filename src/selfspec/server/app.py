@@ -32,7 +32,7 @@ from .schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from .tools import parse_calls
+from .tools import CallStream, parse_calls
 from .worker import Worker
 
 
@@ -381,7 +381,7 @@ async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply,
                ) -> AsyncIterator[str]:  # fmt: skip
     pending = None  # an event taken while merging pieces, handled next
     tokens_sent = 0
-    held: list[list[str]] = [[] for _ in range(reply.n)]  # with tools: each choice's text, read at its end
+    held = [CallStream(reply.calling) for _ in range(reply.n)] if reply.calling else []  # with tools (tools.py)
     try:
         for index in range(reply.n):
             yield _event(reply.chunk("" if reply.chat else None, role=True, index=index))
@@ -399,9 +399,8 @@ async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply,
                         break
                     text, tokens, drafted = text + payload2[1], tokens + payload2[2], drafted + payload2[3]
                     items = [*items, *payload2[4]]
-                if reply.calling:  # the text may be calls: held until the answer is whole, then read
-                    held[index].append(text)
-                    text = ""
+                if reply.calling:  # text that may be calls is held until the answer is whole, then read
+                    text = held[index].feed(text)
                 if text or tokens or items:
                     yield _event(reply.chunk(text, extra={"tokens": tokens, "drafted": drafted}, index=index,
                                              items=items))  # fmt: skip
@@ -409,8 +408,10 @@ async def _sse(request: Request, job: Job, events: asyncio.Queue, reply: _Reply,
                 index, reason, stats, tokens = payload
                 tokens_sent += tokens
                 if reply.calling:
-                    message, reason = reply.message("".join(held[index]), reason)
-                    yield _event(reply.chunk(message["content"], index=index, calls=message.get("tool_calls")))
+                    content, calls = held[index].finish()
+                    if content or calls:
+                        yield _event(reply.chunk(content, index=index, calls=calls))
+                    reason = "tool_calls" if calls else reason
                 yield _event(reply.chunk(None, reason, extra=_stats(stats), index=index))
             elif kind == "done":
                 if include_usage:

@@ -10,7 +10,8 @@ for that form.  What the model writes back:
   ``parameters`` schema;
 * a named function: held to that function's call object;
 * ``"auto"`` (the default with tools): free text, read afterwards for call objects of the given tools (in
-  ``<tool_call>`` tags, or the whole answer being one), as vLLM's Hermes parser does; any other text is content;
+  ``<tool_call>`` tags, or the whole answer being one), as vLLM's Hermes parser does; any other text is content
+  (streamed as it comes, :class:`CallStream`);
 * ``"none"``: plain text (the tools are still described, as OpenAI's API does).
 
 Calls are answered as OpenAI's ``tool_calls`` (arguments as JSON text) with ``finish_reason: "tool_calls"``.
@@ -34,6 +35,8 @@ FALLBACK_PROMPT = (
     "To call one, answer only with a JSON object per call, one per line: "
     '{{"name": <function name>, "arguments": <arguments as a JSON object>}}. Otherwise answer in text.'
 )
+_TAG = "<tool_call>"
+_CALL_STARTS = ("{", "[", "```json", "```\n", _TAG)  # how an answer that is calls begins (a code block of JSON)
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _FENCED = re.compile(r"```(?:json)?\s*\n(.*?)\n?```", re.DOTALL)
 
@@ -112,6 +115,41 @@ def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[dict
     fenced = _FENCED.fullmatch(text.strip())  # a markdown code block around the objects
     calls = _json_objects(fenced.group(1) if fenced else text, names)
     return (None, calls) if calls else (text, [])
+
+
+class CallStream:
+    """A streamed chat answer that may call tools: its text goes out as it comes while it cannot be a call, and
+    what may be one is held and read at the end (:func:`parse_calls`).  An answer starting like call objects
+    (``{``, ``[``, a JSON code block, ``<tool_call>``) is held whole; other text streams, up to a
+    ``<tool_call>`` tag, from which the rest is held (as vLLM's Hermes parser streams)."""
+
+    def __init__(self, tools: list[ToolSpec]) -> None:
+        self.tools, self.held, self.plain, self.tagged = tools, "", False, False
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` (with what was held before) that can go out now."""
+        self.held += text
+        if self.tagged:
+            return ""
+        if not self.plain:
+            head = self.held.lstrip()
+            if not head or any(start.startswith(head[: len(start)]) for start in _CALL_STARTS):
+                return ""  # may be a call: held
+            self.plain = True
+        at = self.held.find(_TAG)
+        if at >= 0:
+            out, self.held, self.tagged = self.held[:at], self.held[at:], True
+            return out
+        keep = next((k for k in range(min(len(_TAG) - 1, len(self.held)), 0, -1) if _TAG.startswith(self.held[-k:])),
+                    0)  # fmt: skip
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        return out
+
+    def finish(self) -> tuple[str | None, list[dict[str, Any]]]:
+        """(the held text still to go out as content, the calls read from it)."""
+        if not self.held:
+            return None, []
+        return parse_calls(self.held, self.tools)
 
 
 def _plain(message: dict[str, Any]) -> dict[str, Any]:
