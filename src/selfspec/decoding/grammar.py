@@ -79,16 +79,16 @@ def choice(options: Sequence[str]) -> str:
     return lark("start: " + " | ".join(json.dumps(o) for o in options))
 
 
-KINDS = ("json_schema", "regex", "choice", "lark")  # the ways to give a structure, by the argument each takes
+_MAKERS = {"json_schema": json_schema, "regex": regex, "choice": choice, "lark": lark}
+KINDS = tuple(_MAKERS)  # the ways to give a structure, by the argument each takes
 
 
 def of(kind: str, value: Any) -> str:
     """The grammar of a structure given as ``kind`` (one of KINDS) and its value (a schema, a pattern, a list of
     texts, a Lark grammar)."""
-    makers = {"json_schema": json_schema, "regex": regex, "choice": choice, "lark": lark}
-    if kind not in makers:
+    if kind not in _MAKERS:
         raise InvalidInputError(f"unknown kind of structure {kind!r}; one of {', '.join(KINDS)}")
-    return makers[kind](value)
+    return _MAKERS[kind](value)
 
 
 def _tokenizer(model: Any):
@@ -119,8 +119,8 @@ class _TokenBytes:
         tok = model.tokenizer
         special = set(getattr(tok, "all_special_ids", []) or []) | set(eos)
         size = len(tok) if hasattr(tok, "__len__") else vocab_size
-        of = token_bytes(tok)
-        self.tokens = [b"\xff[%d]" % i if i in special or i >= size else of(i) for i in range(vocab_size)]
+        bytes_of = token_bytes(tok)
+        self.tokens = [b"\xff[%d]" % i if i in special or i >= size else bytes_of(i) for i in range(vocab_size)]
         self.eos_token_id, self.bos_token_id = eos[0] if eos else 0, getattr(tok, "bos_token_id", None)
         self.special_token_ids = sorted(i for i in special if i < vocab_size)
         self._tokenizer = tok
@@ -134,7 +134,6 @@ class _TokenBytes:
 
 def check(model: Any, grammar: str) -> None:
     """Refuse a grammar that llguidance cannot compile for this model, with its message."""
-    _llguidance()
     Constraint(model, grammar, prompt_len=0)
 
 
@@ -149,7 +148,6 @@ class Constraint:
         if self.matcher.is_error():
             raise InvalidInputError(f"the grammar does not compile: {self.matcher.get_error().strip()}")
         self.prompt_len = prompt_len
-        self.vocab_size = model.adapter.vocab_size
         self._consumed: list[int] = []  # the output the matcher has read
         self._masks: OrderedDict[tuple[int, ...], torch.Tensor | None] = OrderedDict()
 
