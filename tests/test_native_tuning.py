@@ -40,6 +40,8 @@ def test_the_fastest_candidate_wins_and_is_cached():
     assert again.cached and again.choice == 1024 and state["value"] == 1024  # applied from the cache
     assert state["calls"] == calls  # nothing timed
     assert tune("t", (0, 1024, 4096, 16384), 4096, apply, time_pass, key="k1", force=True).cached is False
+    native_tuning.forget()  # selfspec kernels --force: every cached choice dropped, the next load times again
+    assert tune("t", (0, 1024, 4096, 16384), 4096, apply, time_pass, key="k1").cached is False
 
 
 def test_the_default_stays_within_noise():
@@ -50,7 +52,8 @@ def test_the_default_stays_within_noise():
 
 @pytest.mark.skipif(not quant.int8_kernels_available(), reason="needs native int8 kernels")
 @pytest.mark.parametrize("knob, values", [("int8_prefetch", native_tuning.PREFETCH_CANDIDATES),
-                                          ("pass_threads", (1, 2, 3))])  # fmt: skip
+                                          ("pass_threads", (1, 2, 3)),
+                                          ("int8_split", native_tuning.SPLIT_CANDIDATES + (1, -1))])  # fmt: skip
 def test_no_variant_changes_a_logit(knob, values):
     """Whatever a knob is set to, a prompt and a 7-token verification give the same logits bit for bit."""
     model = quantised_tiny("llama")
@@ -86,10 +89,15 @@ def test_a_loaded_model_reports_its_tuned_variants(smollm2):
         assert result.knob == "int8_prefetch" and result.choice in native_tuning.PREFETCH_CANDIDATES
         assert set(result.ms) == set(native_tuning.PREFETCH_CANDIDATES) and all(ms > 0 for ms in result.ms.values())
         assert "int8_prefetch =" in result.describe()
-    assert len(tuned) == (native_thread.threads() > 1)
-    if native_thread.threads() > 1:
+    several = native_thread.threads() > 1
+    assert len(tuned) == (0 if not several else 2 if tuned[0].choice > 1 else 1)
+    if several:
         threads = tuned[0]
         assert threads.knob == "pass_threads" and threads.choice in threads.ms and 1 in threads.ms
+    if len(tuned) == 2:  # the chosen threads' way of sharing a product
+        split = tuned[1]
+        assert split.knob == "int8_split" and set(split.ms) == set(native_tuning.SPLIT_CANDIDATES)
+        assert split.choice in native_tuning.SPLIT_CANDIDATES and "int8_split =" in split.describe()
 
 
 def test_a_busy_machine_keeps_the_default_and_caches_nothing():

@@ -449,6 +449,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         from ..core.kernel_plan import forget_cached_plans
 
         forget_cached_plans()  # measured afresh while loading
+        native_tuning.forget()  # and the native kernels' variants timed again
     model = load_model(args)
     report = model.kernel_report
     spread: dict[int, float] = {}

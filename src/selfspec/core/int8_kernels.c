@@ -694,61 +694,89 @@ static __attribute__((unused)) void block_portable(int bits, int sk, long K, lon
         for (int r = 0; r < 16; r++) y[(t0 + t) * ldy + r] = bias ? acc[t][r] + bias[r] : acc[t][r];
 }
 
+/* How a product's blocks of 16 output rows are shared between a pass's threads: 0 = in equal consecutive shares
+ * (one long weight stream a thread, no coordination), n > 0 = taken n blocks at a time by whichever thread is
+ * free (an atomic counter a chunk).  Chosen per machine by timing passes (core/native_tuning.py): where a thread
+ * is slowed now and then (a VM's vCPU preempted, an efficiency core, a sibling hyperthread's load) equal shares
+ * leave the other waiting at the next barrier; where threads run evenly the shared counter only costs. */
+static long split_blocks = 0;
+void selfspec_set_int8_split(long blocks) { split_blocks = blocks; }
+long selfspec_int8_split(void) { return split_blocks; }
+
+/* Output rows nb * 16 .. + 15 of y [T, N] = x @ W.T (+ bias) for an x16 weight (see linear_x16_ws) */
+static __attribute__((noinline)) void x16_block(int bits, int sk, long nb, long block_bytes, long table, long T,
+                                                long N, long K, long G, const qrows *x, const uint8_t *codes,
+                                                const void *scale, const void *minv, const float *bias, float *y) {
+    const uint8_t *c = codes + nb * block_bytes;
+    const void *s = (const char *)scale + nb * table;
+    const void *m = minv ? (const char *)minv + nb * table : NULL;
+    const float *bb = bias ? bias + nb * 16 : NULL;
+#if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
+    float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
+    if (bits == 2 && sk == 2)
+        BLOCK_ROWS(2, 16, 0, 2); /* Q2_K: its sub-scales and minima */
+    else if (bits == 2)
+        BLOCK_ROWS(2, 16, 0, 0);
+    else if (bits == 3 && sk == 2)
+        BLOCK_ROWS(3, 16, 1, 2); /* Q3_K */
+    else if (bits == 3)
+        BLOCK_ROWS(3, 16, 1, 0);
+    else if (bits == LUT4 && sk == 2)
+        BLOCK_ROWS(LUT4, 32, 1, 2); /* IQ4_XS */
+    else if (bits == LUT4)
+        BLOCK_ROWS_S16(LUT4, 32, 1); /* IQ4_NL */
+    else if (sk == 2 && bits == 4)
+        BLOCK_ROWS(4, 32, 0, 2); /* sub-scales: the K-quants' forms (Q4_K, Q5_K with minima; Q6_K without) */
+    else if (sk == 2 && bits == 5)
+        BLOCK_ROWS(5, 32, 0, 2);
+    else if (sk == 2)
+        BLOCK_ROWS(6, 16, 1, 2);
+    else if (bits == 4 && m)
+        BLOCK_ROWS_S16(4, 32, 0);
+    else if (bits == 4)
+        BLOCK_ROWS_S16(4, 32, 1);
+    else if (bits == 5 && m)
+        BLOCK_ROWS_S16(5, 32, 0);
+    else if (bits == 5)
+        BLOCK_ROWS_S16(5, 32, 1);
+    else if (bits == 6)
+        BLOCK_ROWS(6, 16, 1, 0);
+    else if (G == 32 && m)
+        BLOCK_ROWS(8, 32, 0, 0);
+    else if (G == 32)
+        BLOCK_ROWS_S16(8, 32, 1);
+    else if (m)
+        BLOCK_ROWS(8, 16, 0, 0);
+    else
+        BLOCK_ROWS(8, 16, 1, 0);
+#else
+    for (long t0 = 0; t0 < T; t0 += PORTABLE_ROWS)
+        block_portable(bits, sk, K, G, x, t0, (int)(T - t0 < PORTABLE_ROWS ? T - t0 : PORTABLE_ROWS), c, s, m, bb,
+                       y + nb * 16, N);
+#endif
+}
+
 /* This thread's share of y [T, N] = x @ W.T (+ bias) for an x16 weight W [N, K] (N a multiple of 16), x already
- * quantised; inside a parallel region that every thread enters, no barrier at the end. */
+ * quantised; inside a parallel region that every thread enters, no barrier at the end.  Which thread computes a
+ * block changes no result (each block is computed whole by one thread, the same way). */
 static void linear_x16_ws(int form, long T, long N, long K, long G, const qrows *x, const uint8_t *codes,
                           const void *scale, const void *minv, const float *bias, float *y) {
     const int bits = form & 0xff, sk = SCALE_KIND(form);
     const long groups = K / G, block_bytes = groups * GROUP_BYTES(bits, G), table = SCALE_BLOCK_BYTES(sk, groups, K);
+    const long chunk = split_blocks; /* read once: every thread of a pass sees the value set between passes */
+    if (chunk > 0) {
+#pragma omp for schedule(dynamic, chunk) nowait
+        for (long nb = 0; nb < N / 16; nb++)
+            x16_block(bits, sk, nb, block_bytes, table, T, N, K, G, x, codes, scale, minv, bias, y);
+    } else if (chunk < 0) {
+        const long least = -chunk;
+#pragma omp for schedule(guided, least) nowait
+        for (long nb = 0; nb < N / 16; nb++)
+            x16_block(bits, sk, nb, block_bytes, table, T, N, K, G, x, codes, scale, minv, bias, y);
+    } else {
 #pragma omp for schedule(static) nowait
-    for (long nb = 0; nb < N / 16; nb++) {
-        const uint8_t *c = codes + nb * block_bytes;
-        const void *s = (const char *)scale + nb * table;
-        const void *m = minv ? (const char *)minv + nb * table : NULL;
-        const float *bb = bias ? bias + nb * 16 : NULL;
-#if defined(SELFSPEC_VNNI) || defined(SELFSPEC_AVX2)
-        float *yb = y + nb * 16; /* this block's first output column: BLOCK writes rows of it */
-        if (bits == 2 && sk == 2)
-            BLOCK_ROWS(2, 16, 0, 2); /* Q2_K: its sub-scales and minima */
-        else if (bits == 2)
-            BLOCK_ROWS(2, 16, 0, 0);
-        else if (bits == 3 && sk == 2)
-            BLOCK_ROWS(3, 16, 1, 2); /* Q3_K */
-        else if (bits == 3)
-            BLOCK_ROWS(3, 16, 1, 0);
-        else if (bits == LUT4 && sk == 2)
-            BLOCK_ROWS(LUT4, 32, 1, 2); /* IQ4_XS */
-        else if (bits == LUT4)
-            BLOCK_ROWS_S16(LUT4, 32, 1); /* IQ4_NL */
-        else if (sk == 2 && bits == 4)
-            BLOCK_ROWS(4, 32, 0, 2); /* sub-scales: the K-quants' forms (Q4_K, Q5_K with minima; Q6_K without) */
-        else if (sk == 2 && bits == 5)
-            BLOCK_ROWS(5, 32, 0, 2);
-        else if (sk == 2)
-            BLOCK_ROWS(6, 16, 1, 2);
-        else if (bits == 4 && m)
-            BLOCK_ROWS_S16(4, 32, 0);
-        else if (bits == 4)
-            BLOCK_ROWS_S16(4, 32, 1);
-        else if (bits == 5 && m)
-            BLOCK_ROWS_S16(5, 32, 0);
-        else if (bits == 5)
-            BLOCK_ROWS_S16(5, 32, 1);
-        else if (bits == 6)
-            BLOCK_ROWS(6, 16, 1, 0);
-        else if (G == 32 && m)
-            BLOCK_ROWS(8, 32, 0, 0);
-        else if (G == 32)
-            BLOCK_ROWS_S16(8, 32, 1);
-        else if (m)
-            BLOCK_ROWS(8, 16, 0, 0);
-        else
-            BLOCK_ROWS(8, 16, 1, 0);
-#else
-        for (long t0 = 0; t0 < T; t0 += PORTABLE_ROWS)
-            block_portable(bits, sk, K, G, x, t0, (int)(T - t0 < PORTABLE_ROWS ? T - t0 : PORTABLE_ROWS), c, s, m, bb,
-                           y + nb * 16, N);
-#endif
+        for (long nb = 0; nb < N / 16; nb++)
+            x16_block(bits, sk, nb, block_bytes, table, T, N, K, G, x, codes, scale, minv, bias, y);
     }
 }
 

@@ -22,7 +22,16 @@ Knobs (the native library's setters):
 * ``pass_threads``: threads of a decoding pass (1, half, or all the threads
   torch may use), ``selfspec_set_pass_threads``: where the two vCPUs of a VM
   are hyperthreads of one core, or another process holds one, a second thread
-  adds barrier waits (a pass has several per layer) and no bandwidth.
+  adds barrier waits (a pass has several per layer) and no bandwidth;
+* ``int8_split``: how a product's 16-row blocks are shared between those
+  threads, ``selfspec_set_int8_split``: 0 in equal consecutive shares (one long
+  weight stream a thread: what DRAM and the prefetchers serve best; Zen 5 VM,
+  1.5B Q4_K_M pass 21.2 ms), ``-n`` guided (long shares first, the last blocks
+  to whichever thread is free, n at least: 25.5 against static's 25.6 ms in
+  another run), ``n`` dynamic, n blocks at a time (16: 22.9 and 27.6 ms, the
+  streams cut short); the shares that adapt are for CPUs whose threads do not
+  run evenly (efficiency cores beside performance ones, a vCPU preempted
+  often), where equal shares leave one thread waiting at every barrier.
 
 Both are process-wide (the last loaded model's choice holds) and change no
 result, only its speed (each thread's share is computed the same way).  What
@@ -46,6 +55,8 @@ from . import clock, native_thread, thread_guard
 
 PREFETCH_CANDIDATES = (0, 1024, 4096, 16384)
 PREFETCH_DEFAULT = 4096
+SPLIT_CANDIDATES = (0, -4, 16)  # static halves, guided (4 blocks at least), dynamic (16 blocks a time)
+SPLIT_DEFAULT = 0
 KEEP_DEFAULT = 0.03  # the default stays unless a candidate is more than this share faster
 REPS = 9
 
@@ -102,6 +113,12 @@ def tune(knob: str, candidates: tuple[int, ...], default: int, apply: Callable[[
     return result
 
 
+def forget() -> None:
+    """Delete every cached choice, so that the next load times the variants again (``selfspec kernels --force``)."""
+    for path in cache_dir("native").glob("tuning-*.json"):
+        path.unlink(missing_ok=True)
+
+
 def tune_model(model, *, force: bool = False) -> list[TuneResult]:
     """Tune every knob that applies to ``model`` (its passes on the native fused stack with int8 products);
     [] when none does."""
@@ -125,7 +142,12 @@ def tune_model(model, *, force: bool = False) -> list[TuneResult]:
         candidates = tuple(sorted({1, max(1, threads // 2), threads}))
         results.append(tune("pass_threads", candidates, threads, lib.selfspec_set_pass_threads, timer,
                             key=f"{key}-t{threads}", force=force))  # fmt: skip
-    thread_guard.install(lib.selfspec_set_pass_threads, results[-1].choice if threads > 1 else 1)
+    chosen = results[-1].choice if threads > 1 else 1
+    lib.selfspec_set_int8_split(SPLIT_DEFAULT)
+    if chosen > 1:  # how the chosen threads share a product
+        results.append(tune("int8_split", SPLIT_CANDIDATES, SPLIT_DEFAULT, lib.selfspec_set_int8_split, timer,
+                            key=f"{key}-t{chosen}", force=force))  # fmt: skip
+    thread_guard.install(lib.selfspec_set_pass_threads, chosen)
     return results
 
 

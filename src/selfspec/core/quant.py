@@ -388,6 +388,9 @@ def native() -> ctypes.CDLL:
             lib.selfspec_set_int8_prefetch.argtypes = [n]
             lib.selfspec_set_int8_prefetch.restype = None
             lib.selfspec_int8_prefetch.restype = n
+            lib.selfspec_set_int8_split.argtypes = [n]
+            lib.selfspec_set_int8_split.restype = None
+            lib.selfspec_int8_split.restype = n
             lib.selfspec_set_pass_threads.argtypes = [ctypes.c_int]
             lib.selfspec_set_pass_threads.restype = None
             lib.selfspec_pass_threads.restype = ctypes.c_int
