@@ -33,6 +33,21 @@ def test_a_synthetic_file_has_the_q4_k_m_recipe(tiny_file):
     assert "tokenizer.ggml.tokens" in reader.fields  # the donor's tokenizer (the built-in SmolLM2's)
 
 
+def test_a_q4_k_m_mix_makes_no_low_bit_copies(tiny_file):
+    """A K-quant M mix keeps most weights at 4 bits: 4-bit copies of its Q6_K tensors would cut a draft's layer read
+    by under LOW_BIT_MIN_SAVING, so none are offered (a 1.5B file's would take ~200 MB for 6% of the read); the
+    rule follows the bytes, as the copies, once made, count them."""
+    from selfspec.core.fused import LOW_BIT_MIN_SAVING
+
+    with activations("int8"):
+        model = selfspec.load(str(tiny_file))
+        stack = model.engine._fused
+        assert not stack.has_low_bit and not model.engine.low_bit_drafts
+        own, low = stack.low_bit_bytes()  # the copies made all the same: what the estimate stands for
+        assert low < own and low > (1 - LOW_BIT_MIN_SAVING) * own
+        stack.release_low_bit()
+
+
 @pytest.mark.parametrize("mix, base, more, form", [("q3_k", "Q3_K", "Q4_K", "q3k/16"),
                                                    ("q2_k", "Q2_K", "Q3_K", "q2k/16"),
                                                    ("iq4_xs", "IQ4_XS", "IQ4_XS", "iq4k/32")])  # fmt: skip

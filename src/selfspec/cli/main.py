@@ -610,6 +610,12 @@ def _engine_paths(model) -> dict[str, str]:
         out["low_bit_drafts"] = (f"a draft step in q4 (method lowbit, draft_dtype=q4) reads {low / 1e6:.0f} MB of "
                                  f"layer weights where a full step reads {own / 1e6:.0f} MB (4-bit copies of the "
                                  "5-8-bit tensors, made when a method drafts with them)")
+    elif engine.fused:
+        from ..core.fused import LOW_BIT_MIN_SAVING
+
+        out["low_bit_drafts"] = (f"none: 4-bit copies of this model's layer weights would save under "
+                                 f"{LOW_BIT_MIN_SAVING:.0%} of a draft step's read (draft_dtype=q4 drafts at the "
+                                 "model's own precision)")
     return out
 
 
