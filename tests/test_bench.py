@@ -392,6 +392,32 @@ def test_llama_bench_is_found_beside_the_server_and_its_json_read(tmp_path, monk
         llama_bench(tmp_path / "m.gguf", 2, binary=bench)
 
 
+def test_the_llama_cpp_comparison_takes_medians_of_rounds_in_turn(tmp_path, smollm2):
+    """`selfspec kernels --compare-llama-cpp` runs llama-bench and our step in turn, round by round: each round's
+    ratio from figures taken together, the reported rates and ratios the medians over rounds (a stand-in
+    llama-bench whose speed changes from one run to the next, as a VM's does)."""
+    from selfspec.cli.main import _compare_llama_cpp
+
+    bench = tmp_path / "llama-bench"
+    bench.write_text(
+        "#!/usr/bin/env python3\nimport json, pathlib, sys\na = sys.argv\n"
+        f"c = pathlib.Path({str(tmp_path / 'count')!r})\n"
+        "n = int(c.read_text()) if c.exists() else 0\nc.write_text(str(n + 1))\n"
+        "tg = [100.0, 50.0, 80.0][n % 3]\n"
+        "print(json.dumps([{'n_prompt': int(a[a.index('-p') + 1]), 'n_gen': 0, 'avg_ts': 2 * tg},"
+        " {'n_prompt': 0, 'n_gen': int(a[a.index('-n') + 1]), 'avg_ts': tg}]))\n"
+    )
+    bench.chmod(0o755)
+    got = _compare_llama_cpp(smollm2, str(bench), prompt=32, rounds=3)
+    rounds = got["rounds"]
+    assert [r["decode_tokens_per_second"] for r in rounds] == [100.0, 50.0, 80.0]
+    assert got["decode_tokens_per_second"] == 80.0 and got["prefill_tokens_per_second"] == 160.0
+    for r in rounds:
+        assert r["decode_ratio"] == pytest.approx(r["ours_decode_tokens_per_second"] / r["decode_tokens_per_second"])
+        assert r["ours_prefill_tokens_per_second"] > 0
+    assert got["decode_ratio"] == sorted(r["decode_ratio"] for r in rounds)[1]
+
+
 @pytest.mark.parametrize("where", [("--dataset", "xsum"), ("--stream", "xsum,humaneval")])
 def test_cli_bench_refuses_categories_without_spec_bench(where, capsys):
     """Checked before any model loads, with --dataset or in a stream that names no Spec-Bench."""

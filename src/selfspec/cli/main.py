@@ -436,7 +436,7 @@ def _add_kernels_parser(sub) -> None:
     p.add_argument("--compare-llama-cpp", nargs="?", const="", default=None, metavar="PATH",
                    help="also time llama.cpp's llama-bench on the same GGUF file and thread count (PATH: the binary "
                         "or its folder; default $SELFSPEC_LLAMA_CPP or PATH) and print both decoding and prefill "
-                        "rates with their ratio")  # fmt: skip
+                        "rates with their ratio (3 rounds, llama-bench and ours in turn: medians)")  # fmt: skip
     p.set_defaults(func=cmd_kernels)
 
 
@@ -456,7 +456,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     steps = decode_step_ms(model, spread=spread)
     verifications = decode_step_ms(model, verify=True)
     busy = max(spread.values()) > clock.BUSY_SPREAD
-    llama = _compare_llama_cpp(model, args.compare_llama_cpp, steps[1]) if args.compare_llama_cpp is not None else None
+    llama = _compare_llama_cpp(model, args.compare_llama_cpp) if args.compare_llama_cpp is not None else None
     if args.json:
         extra = {}
         if model.quantization != "none":
@@ -500,7 +500,9 @@ def cmd_kernels(args: argparse.Namespace) -> int:
               f"{llama['decode_tokens_per_second']:.1f} tokens/s, prefill {llama['prefill_tokens_per_second']:.0f}; "
               f"ours: decoding {llama['ours_decode_tokens_per_second']:.1f} (one-token step), prefill "
               f"{llama['ours_prefill_tokens_per_second']:.0f} ({llama['prompt']} tokens): "
-              f"{llama['decode_ratio']:.2f}x / {llama['prefill_ratio']:.2f}x llama.cpp's")
+              f"{llama['decode_ratio']:.2f}x / {llama['prefill_ratio']:.2f}x llama.cpp's (medians of "
+              f"{len(llama['rounds'])} rounds, llama-bench and ours in turn; decoding ratio by round: "
+              + ", ".join(f"{r['decode_ratio']:.2f}x" for r in llama["rounds"]) + ")")
     vocab = model.engine.draft_vocab
     if vocab is not None:
         print(f"draft vocabulary: drafts score {vocab.size} of {vocab.vocab_size} head rows, growing with the tokens "
@@ -508,15 +510,23 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_llama_cpp(model, where: str, step_ms: float, prompt: int = 512) -> dict:
-    """llama-bench on the model's GGUF file with our thread count, beside our one-token step and a prompt's
-    prefill timed here (the median of 3 passes over ``prompt`` tokens)."""
+COMPARE_ROUNDS = 3  # llama-bench and our step in turn, each round's pair taken within seconds of each other
+
+
+def _compare_llama_cpp(model, where: str, prompt: int = 512, rounds: int = COMPARE_ROUNDS) -> dict:
+    """llama-bench on the model's GGUF file with our thread count, in ``rounds`` turns with our one-token step
+    (the median of 15 passes) and a prompt's prefill (the median of 3 passes over ``prompt`` tokens) timed right
+    after it: each round's ratio compares figures taken within seconds of each other, and the ratios' median is
+    the reported one.  A VM's speed can swing by a third from one minute to the next (a 1.5B file's step:
+    18.5-29 ms on the Zen 5 VM within a minute), so one llama-bench run against a step timed earlier can put the
+    ratio anywhere in that range."""
     import statistics
     import time
 
     import torch
 
     from ..bench.llamacpp import find_binary, gguf_file, llama_bench
+    from ..cost.costs import decode_step_ms
     from ..errors import InvalidInputError
 
     binary = find_binary(where or None, tool="llama-bench")
@@ -525,19 +535,27 @@ def _compare_llama_cpp(model, where: str, step_ms: float, prompt: int = 512) -> 
                                 "$SELFSPEC_LLAMA_CPP, or put it on PATH)")  # fmt: skip
     gguf, threads = gguf_file(model, None), torch.get_num_threads()
     prompt = min(prompt, model.max_context // 2)
-    ref = llama_bench(gguf, threads, binary=binary, prompt=prompt)
     ids = torch.arange(prompt, device=model.engine.device) % model.adapter.vocab_size
-    times = []
-    for _ in range(3):
-        cache = model.engine.new_cache(prompt + 1)
-        t0 = time.perf_counter()
-        model.engine.forward(cache, ids, 0, prefill=True, last_only=True)
-        times.append(time.perf_counter() - t0)
-    ours_prefill, ours_decode = prompt / statistics.median(times), 1000.0 / step_ms
-    return {"binary": str(binary), "gguf": str(gguf), "threads": threads, "prompt": prompt, **ref,
-            "ours_decode_tokens_per_second": ours_decode, "ours_prefill_tokens_per_second": ours_prefill,
-            "decode_ratio": ours_decode / ref["decode_tokens_per_second"],
-            "prefill_ratio": ours_prefill / ref.get("prefill_tokens_per_second", float("nan"))}  # fmt: skip
+    turns = []
+    for _ in range(rounds):
+        ref = llama_bench(gguf, threads, binary=binary, prompt=prompt, reps=2)
+        step_ms = decode_step_ms(model, rows=(1,))[1]
+        times = []
+        with torch.inference_mode():
+            for _ in range(3):
+                cache = model.engine.new_cache(prompt + 1)
+                t0 = time.perf_counter()
+                model.engine.forward(cache, ids, 0, prefill=True, last_only=True)
+                times.append(time.perf_counter() - t0)
+        ours = {"ours_decode_tokens_per_second": 1000.0 / step_ms,
+                "ours_prefill_tokens_per_second": prompt / statistics.median(times)}  # fmt: skip
+        turns.append({**ref, **ours,
+                      "decode_ratio": ours["ours_decode_tokens_per_second"] / ref["decode_tokens_per_second"],
+                      "prefill_ratio": ours["ours_prefill_tokens_per_second"]
+                      / ref.get("prefill_tokens_per_second", float("nan"))})  # fmt: skip
+    median = {k: statistics.median(t[k] for t in turns) for k in turns[0]}
+    return {"binary": str(binary), "gguf": str(gguf), "threads": threads, "prompt": prompt, **median,
+            "rounds": turns}  # fmt: skip
 
 
 def _print_quantized(model, step_ms: float) -> None:
