@@ -70,3 +70,22 @@ def test_install_needs_more_than_one_thread(monkeypatch):
     monkeypatch.delenv(tg.ENV)
     guard = tg.install(lambda n: None, 2)
     assert guard is not None and tg.current() is guard
+
+
+def test_a_prompt_runs_on_the_kept_count_never_on_a_try(monkeypatch):
+    """A pass the guard does not watch (a prefill) inside a try's window runs on the count in force before the
+    try, and the try goes on after it; outside a try nothing is switched."""
+    m = Machine({2: 3.0, 1: 5.0})
+    guard = tg.ThreadGuard(m.set_threads, full=2)
+    monkeypatch.setattr(tg, "_GUARD", guard)
+    with tg.unwatched():
+        assert m.threads == 2 and m.calls == []  # no try: left alone
+    m.run(guard, int(tg.FULL_TRY_MS / 3.0) + tg.WINDOW)  # until a try of the fallback is under way
+    while guard.kept == guard.current:
+        m.run(guard, 1)
+    assert m.threads == 1 and guard.kept == 2
+    with tg.unwatched():
+        assert m.threads == 2  # the prompt on the kept two threads
+    assert m.threads == 1 and guard.current == 1  # the try resumes
+    m.run(guard, tg.WINDOW)
+    assert m.threads == 2 and guard.kept == 2 and guard.switches == 0  # and is lost as before

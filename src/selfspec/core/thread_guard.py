@@ -18,7 +18,11 @@ the passes themselves:
   try it loses (up to ``MAX_FALLBACK_TRY_MS``); a try is cut short after one pass ``ABORT_RATIO`` times
   slower than the window before it;
 * on a quiet machine the full count stays: a try costs one window of one-thread passes per
-  ``FULL_TRY_MS`` (~0.1% of the time).
+  ``FULL_TRY_MS`` (~0.1% of the time);
+* passes it does not watch (a prompt's prefill) run on the kept count, never on a try's
+  (:func:`unwatched`): a 689-token Gemma 3 prefill that fell inside a try's window ran on one thread,
+  419 ms against 250 (Spec-Bench run of 2026-11-27: 4 of 180 prompts' prefills, all of the drafting
+  methods, whose many short passes make tries come round more often in a generation).
 
 The thread count changes no result, only the speed (every thread's share is computed the same way).
 """
@@ -27,7 +31,8 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 
 ENV = "SELFSPEC_THREAD_GUARD"  # "0": no guard (the load-time thread count holds whatever runs beside)
 WINDOW = 8
@@ -84,6 +89,13 @@ class ThreadGuard:
             self._before = median
             self._use(self.fallback if on_full else self.full)
 
+    @property
+    def kept(self) -> int:
+        """The thread count in force outside a try (during one, the count it is being compared with)."""
+        if self._before is None:
+            return self.current
+        return self.full if self.current == self.fallback else self.fallback
+
     def _end_try(self, median: float) -> None:
         tried, before = self.current, self._before
         self._before, self._since_try_ms = None, 0.0
@@ -125,3 +137,18 @@ def observe(shape: Hashable, ms: float) -> None:
 
 def current() -> ThreadGuard | None:
     return _GUARD
+
+
+@contextmanager
+def unwatched() -> Iterator[None]:
+    """Around a pass the guard does not time (a prompt's prefill): it runs on the kept thread count, not on a
+    try's, which is set again after it."""
+    guard = _GUARD
+    if guard is None or guard.kept == guard.current:
+        yield
+        return
+    guard._set(guard.kept)
+    try:
+        yield
+    finally:
+        guard._set(guard.current)

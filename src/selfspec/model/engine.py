@@ -268,10 +268,14 @@ class Engine:
         T = h.shape[1]
         cos = np.full(2 * self.num_layers, np.nan, dtype=np.float32) if cosine_out is not None else None
         t0 = time.perf_counter()
-        h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
-                            prompt=prompt, low_bit=low_bit)  # fmt: skip
         if T <= GUARDED_ROWS:  # decoding's passes: the thread guard watches them (core/thread_guard.py)
+            h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
+                                prompt=prompt, low_bit=low_bit)  # fmt: skip
             thread_guard.observe((id(self), T, skip, low_bit), 1000 * (time.perf_counter() - t0))
+        else:  # a prompt: on the thread count the guard keeps, not on one it is trying
+            with thread_guard.unwatched():
+                h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
+                                    prompt=prompt, low_bit=low_bit)  # fmt: skip
         if cos is not None:
             cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
         return h
