@@ -174,6 +174,10 @@ def test_a_choice_predicted_to_pay_but_measured_to_lose_only_explores():
     assert econ.drafting_loses()
     used = drive(policy, 160, lambda skip: 4)
     assert not policy.choice.pays and len(used) <= 160 // 16
+    drive(policy, 400, lambda skip: 4)  # backed off: a try every 128 rounds by now
+    policy.propose(COS8, 8)  # a new prompt: its first round drafts and measures again
+    assert len(drive(policy, 1, lambda skip: 4)) == 1
+    assert len(drive(policy, 16, lambda skip: 4)) <= 1  # then the gate waits explore_every rounds again
 
 
 def test_a_gate_closed_by_the_policy_stops_the_drafter():

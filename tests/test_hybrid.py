@@ -249,3 +249,32 @@ def test_a_layer_skip_chain_ends_where_a_lookup_draft_would_earn_more():
 def test_a_source_with_its_own_precision_refuses_a_draft_dtype(tiny_llama, source):
     with pytest.raises(selfspec.InvalidInputError, match=f"layerskip={source} drafts in .* drop draft_dtype"):
         selfspec.Session(tiny_llama, "auto", layerskip=source, draft_dtype="bfloat16")
+
+
+def test_a_new_generation_lets_a_losing_source_explore_at_once():
+    """Deep in its backoff, the losing layer-skip source explores in the first round of the next generation (a
+    new prompt may be where it pays); its backoff starts again from EXPLORE_EVERY (declining there, it waits
+    twice that, as after any losing exploration)."""
+    from selfspec.drafters.hybrid import EXPLORE_EVERY
+
+    lookup = PromptLookupDrafter()
+    lookup._costs = VerifyCurve(FlatProfile(0.1))
+    layerskip = DeclineToDraft()
+    hybrid = HybridDrafter(lookup, layerskip)
+    hybrid.skip_gain = 0.6
+    history = list(range(100))
+
+    def rounds(n: int) -> list[int]:
+        explored = []
+        for r in range(n):
+            calls = layerskip.calls
+            out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20,
+                                 sampler=GREEDY_SAMPLER)  # fmt: skip
+            hybrid.observe(out, [0], tokens=1, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)
+            if layerskip.calls > calls:
+                explored.append(r)
+        return explored
+
+    rounds(16 * EXPLORE_EVERY)  # backed off: waits of 32, 64, 128 rounds by now
+    hybrid.begin()
+    assert rounds(2 * EXPLORE_EVERY + 2) == [0, 2 * EXPLORE_EVERY + 1]

@@ -82,8 +82,11 @@ class HybridDrafter:
         return max(self.lookup.max_nodes, self.layerskip.max_nodes)
 
     def begin(self) -> None:
-        """Before a generation: per-source statistics start afresh (what the sources learned stays)."""
+        """Before a generation: per-source statistics start afresh (what the sources learned stays); a losing
+        layer-skip source explores at its first chance, as a new prompt may be where it pays, its wait back to
+        ``EXPLORE_EVERY``."""
         self.sources = {name: SourceStats() for name in self.sources}
+        self._idle = self._wait = EXPLORE_EVERY
         begin = getattr(self.lookup, "begin", None)  # the suffix source files the last output in its store
         if begin is not None:
             begin()
