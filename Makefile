@@ -71,7 +71,8 @@ results: install
 	$(BENCH) --model smollm2-135m $(PEERS) --out docs/results/specbench-peers-smollm2-135m
 	$(BENCH) --model gemma3-270m $(PEERS) --out docs/results/specbench-peers-gemma3-270m
 	$(BIN)/selfspec bench --model smollm2-135m $(SELFDRAFT) --limit 2 --out docs/results/selfdraft-smollm2-135m
-	$(BIN)/selfspec bench --model gemma3-270m $(SELFDRAFT) --limit 2 --out docs/results/selfdraft-gemma3-270m
+	$(BIN)/selfspec bench --model gemma3-270m --dataset spec-bench --limit 5 --max-new-tokens 128 --warmup 1 \
+		--methods vanilla,vocab,asd,lowbit,auto,pld --out docs/results/selfdraft-gemma3-270m
 	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(SELFDRAFT) --limit 5 --out docs/results/selfdraft-qwen2.5-coder-0.5b
 	$(BIN)/selfspec bench --model smollm2-135m $(STRUCTURED) --methods vanilla,pld,vocab,asd,auto \
 		--out docs/results/structured-smollm2-135m
