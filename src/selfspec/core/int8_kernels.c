@@ -696,7 +696,7 @@ static __attribute__((unused)) void block_portable(int bits, int sk, long K, lon
 
 /* How a product's blocks of 16 output rows are shared between a pass's threads: 0 = in equal consecutive shares
  * (one long weight stream a thread, no coordination), n > 0 = taken n blocks at a time by whichever thread is
- * free (an atomic counter a chunk).  Chosen per machine by timing passes (core/native_tuning.py): where a thread
+ * free (an atomic counter a chunk), n < 0 = guided (long shares first, shrinking to -n blocks).  Chosen per machine by timing passes (core/native_tuning.py): where a thread
  * is slowed now and then (a VM's vCPU preempted, an efficiency core, a sibling hyperthread's load) equal shares
  * leave the other waiting at the next barrier; where threads run evenly the shared counter only costs. */
 static long split_blocks = 0;
