@@ -118,15 +118,21 @@ def test_a_losing_layer_skip_source_sits_out_but_still_explores():
     hybrid.skip_gain = 0.6  # its rounds have been earning 0.6 tokens per vanilla step
     history = list(range(100))  # no n-gram repeats: the lookup source has nothing
     waits = [EXPLORE_EVERY * min(2**i, MAX_BACKOFF) for i in range(6)]  # 16, 32, 64, 128, 128, 128
-    explored_at, rounds = [], sum(w + 1 for w in waits)
+    explored_at = _explorations(hybrid, layerskip, history, sum(w + 1 for w in waits))
+    assert explored_at == [sum(w + 1 for w in waits[: i + 1]) - 1 for i in range(len(waits))]
+
+
+def _explorations(hybrid, layerskip, history, rounds: int) -> list[int]:
+    """The rounds (of ``rounds`` plain ones) in which the hybrid let its layer-skip source draft."""
+    explored = []
     for r in range(rounds):
         calls = layerskip.calls
         out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20,
                              sampler=GREEDY_SAMPLER)  # fmt: skip
         hybrid.observe(out, [0], tokens=1, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)
         if layerskip.calls > calls:
-            explored_at.append(r)
-    assert explored_at == [sum(w + 1 for w in waits[: i + 1]) - 1 for i in range(len(waits))]
+            explored.append(r)
+    return explored
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -263,18 +269,6 @@ def test_a_new_generation_lets_a_losing_source_explore_at_once():
     hybrid = HybridDrafter(lookup, layerskip)
     hybrid.skip_gain = 0.6
     history = list(range(100))
-
-    def rounds(n: int) -> list[int]:
-        explored = []
-        for r in range(n):
-            calls = layerskip.calls
-            out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20,
-                                 sampler=GREEDY_SAMPLER)  # fmt: skip
-            hybrid.observe(out, [0], tokens=1, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)
-            if layerskip.calls > calls:
-                explored.append(r)
-        return explored
-
-    rounds(16 * EXPLORE_EVERY)  # backed off: waits of 32, 64, 128 rounds by now
+    _explorations(hybrid, layerskip, history, 16 * EXPLORE_EVERY)  # backed off: waits of 32, 64, 128 by now
     hybrid.begin()
-    assert rounds(2 * EXPLORE_EVERY + 2) == [0, 2 * EXPLORE_EVERY + 1]
+    assert _explorations(hybrid, layerskip, history, 2 * EXPLORE_EVERY + 2) == [0, 2 * EXPLORE_EVERY + 1]
