@@ -46,6 +46,17 @@ def test_a_q4_k_m_mix_makes_no_low_bit_copies(tiny_file):
         own, low = stack.low_bit_bytes()  # the copies made all the same: what the estimate stands for
         assert low < own and low > (1 - LOW_BIT_MIN_SAVING) * own
         stack.release_low_bit()
+        # a profile cached when such files still offered the copies: read back without them (never chosen)
+        from dataclasses import replace
+
+        from selfspec.cost import costs
+
+        prof = costs.cost_profile(model)
+        old = replace(prof, drafts={**prof.drafts, "q4": replace(prof.drafts["same"], base_ms=0.01)})
+        assert old.best_precision(False) == "q4"  # as cached then: the copies would be picked, and made
+        again = costs.fitted(old, model)
+        assert "q4" not in again.drafts and again.forward_ms == prof.forward_ms and again.best_precision(False) != "q4"
+        assert costs.fitted(replace(prof, drafts={"q4": prof.drafts["same"]}), model) is None  # lacks "same"
 
 
 @pytest.mark.parametrize("mix, base, more, form", [("q3_k", "Q3_K", "Q4_K", "q3k/16"),

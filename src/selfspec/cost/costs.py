@@ -34,7 +34,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -250,8 +250,8 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
             prof = CostProfile.from_dict(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError):
             prof = None  # stale or damaged: measure again
-        if prof is not None and set(draft_precisions(model)) - set(prof.drafts):
-            prof = None  # measured before a draft precision this model has (an older version): measure again
+        if prof is not None:
+            prof = fitted(prof, model)
     if prof is None:
         print(f"selfspec: measuring the decoding costs of {model.name} on this machine (once, about "
               f"{_estimate_s(model):.0f} s)...", file=sys.stderr)
@@ -352,6 +352,18 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     # passes would make a pass pay the first touch of pages that decoding's passes find in the heap
     return_free_heap()
     return CostProfile(key or profile_key(model), forward, drafts, L, head, spread)
+
+
+def fitted(prof: CostProfile, model) -> CostProfile | None:
+    """A cached profile as it applies to ``model`` now: None where it lacks a draft precision the model has (measured
+    by an older version: measure again); without the precisions the model no longer offers (low-bit copies of a
+    1.5B Q4_K_M file, since dropped as saving too little), which must never be picked (that would make them)."""
+    offered = draft_precisions(model)
+    if set(offered) - set(prof.drafts):
+        return None
+    if set(prof.drafts) - set(offered):
+        return replace(prof, drafts={k: v for k, v in prof.drafts.items() if k in offered})
+    return prof
 
 
 def draft_precisions(model) -> dict[str, torch.dtype | None]:
