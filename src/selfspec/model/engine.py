@@ -12,6 +12,7 @@ Nothing here knows HF internals; :mod:`selfspec.adapters` does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -267,15 +268,13 @@ class Engine:
         reading the 4-bit copies of the 8-bit weights (draft precision q4)."""
         T = h.shape[1]
         cos = np.full(2 * self.num_layers, np.nan, dtype=np.float32) if cosine_out is not None else None
+        watched = T <= GUARDED_ROWS  # decoding's passes: the thread guard watches them (core/thread_guard.py)
         t0 = time.perf_counter()
-        if T <= GUARDED_ROWS:  # decoding's passes: the thread guard watches them (core/thread_guard.py)
+        with contextlib.nullcontext() if watched else thread_guard.unwatched():  # a prompt: on the kept count
             h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
                                 prompt=prompt, low_bit=low_bit)  # fmt: skip
+        if watched:
             thread_guard.observe((id(self), T, skip, low_bit), 1000 * (time.perf_counter() - t0))
-        else:  # a prompt: on the thread count the guard keeps, not on one it is trying
-            with thread_guard.unwatched():
-                h = self._fused.run(h, cache=cache, start=start, skip=skip, masks=masks, ropes=ropes, cosines=cos,
-                                    prompt=prompt, low_bit=low_bit)  # fmt: skip
         if cos is not None:
             cosine_out.append(SublayerCosine(tuple(map(float, cos[0::2])), tuple(map(float, cos[1::2]))))
         return h
