@@ -86,20 +86,24 @@ int selfspec_int8_kernels(void) {
 }
 
 /* Block b's scale d and its code sums s0 (elements 0-15) and s1 (16-31), where the products read them */
-static inline void block_sums(long b, float d, int s0, int s1, float *dx, float *ds16, float *ds32, int32_t *xs16) {
-    dx[b] = d;
-    ds16[2 * b] = d * (float)s0;
-    ds16[2 * b + 1] = d * (float)s1;
-    ds32[b] = d * (float)(s0 + s1);
-    xs16[2 * b] = s0;
-    xs16[2 * b + 1] = s1;
+static inline void block_sums(long b, float d, int s0, int s1, float *dx, float *ds16, float *ds32, int32_t *xs16,
+                              long S) {
+    dx[b * S] = d;
+    ds16[2 * b * S] = d * (float)s0;
+    ds16[(2 * b + 1) * S] = d * (float)s1;
+    ds32[b * S] = d * (float)(s0 + s1);
+    xs16[2 * b * S] = s0;
+    xs16[(2 * b + 1) * S] = s1;
 }
 
 /* One row of x [K] to int8 codes xq [K], block scales dx [K/32], and dx * (sum of the codes) per 16 (ds16) and
  * per 32 (ds32) elements: the minimum's term of a q8 group of 16 or of any group of 32; xs16: the sums of the
  * codes per 16 themselves (the AVX2 q8 products add 128 * sum to their own integer sums).  A block holding a NaN
- * gets a NaN scale and an infinite one a NaN product, so the products' outputs stay non-finite, as in fp32. */
-void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float *ds16, float *ds32, int32_t *xs16) {
+ * gets a NaN scale and an infinite one a NaN product, so the products' outputs stay non-finite, as in fp32.
+ * S: rows interleaved with this one (see QRUN): block b's 32 codes at xq + 32 S b, its scale at dx[S b], the
+ * per-16 values at [S j] (S = 1: the row alone, contiguous). */
+static void quantize_row_strided(long K, const float *x, int8_t *xq, float *dx, float *ds16, float *ds32,
+                                 int32_t *xs16, long S) {
 #ifdef SELFSPEC_VNNI
     /* the same numbers as the portable loop: max is exact, vcvtps2dq rounds half to even under the default mode */
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -110,10 +114,10 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         const float d = nan ? NAN : amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(inv)));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(inv)));
-        _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+        _mm_storeu_si128((__m128i *)(xq + b * S * 32), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + b * S * 32 + 16), _mm512_cvtepi32_epi8(q1));
         const int s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-        block_sums(b, d, s0, s1, dx, ds16, ds32, xs16);
+        block_sums(b, d, s0, s1, dx, ds16, ds32, xs16, S);
     }
 #elif defined(SELFSPEC_AVX2)
     /* the same numbers again, 8 lanes at a time: the scalar loop took a tenth of the AVX2 build's step */
@@ -136,13 +140,13 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], _mm256_set1_ps(inv)));
         /* |q| <= 127: the saturating packs are exact; they interleave 4-lane quarters, which `order` undoes */
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)(xq + b * 32), _mm256_permutevar8x32_epi32(bytes, order));
+        _mm256_storeu_si256((__m256i *)(xq + b * S * 32), _mm256_permutevar8x32_epi32(bytes, order));
         __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]); /* exact integers */
         __m256i both = _mm256_hadd_epi32(s01, s23); /* pairs: s01 in 0-1, 4-5; s23 in 2-3, 6-7 */
         both = _mm256_hadd_epi32(both, both);       /* s01 in 0, 4; s23 in 1, 5 */
         const int s0 = _mm256_extract_epi32(both, 0) + _mm256_extract_epi32(both, 4);
         const int s1 = _mm256_extract_epi32(both, 1) + _mm256_extract_epi32(both, 5);
-        block_sums(b, d, s0, s1, dx, ds16, ds32, xs16);
+        block_sums(b, d, s0, s1, dx, ds16, ds32, xs16, S);
     }
 #else
     for (long b = 0; b < K / 32; b++) {
@@ -157,15 +161,26 @@ void selfspec_quantize_row(long K, const float *x, int8_t *xq, float *dx, float 
         int sum[2] = {0, 0};
         for (int i = 0; i < 32; i++) {
             const int q = (int)nearbyintf(p[i] * inv); /* round half to even, as vcvtps2dq */
-            xq[b * 32 + i] = (int8_t)q;
+            xq[b * S * 32 + i] = (int8_t)q;
             sum[i >> 4] += q;
         }
-        block_sums(b, d, sum[0], sum[1], dx, ds16, ds32, xs16);
+        block_sums(b, d, sum[0], sum[1], dx, ds16, ds32, xs16, S);
     }
 #endif
 }
 
-/* Rows of x quantised, as the products read them */
+/* Rows of x quantised, as the products read them, in runs of QRUN rows (the last run: the rows left, S of them)
+ * interleaved by blocks of 32: code k of row i of a run at q + run * QRUN * K + 32 S (k / 32) + 32 i + k % 32, its
+ * block scale at dx + run * QRUN * K / 32 + S (k / 32) + i, and the per-16 values (ds16, xs16) likewise in S
+ * columns.  The VNNI products take a run's rows together (BLOCK_RUN = QRUN): row t of a group is then a constant
+ * offset from one pointer, where with rows apart each of the 8 rows kept three pointers, more than the
+ * registers, which the compiler spilled and reloaded in the inner loop.  The other builds keep rows apart
+ * (QRUN 1: the row-major layout). */
+#ifdef SELFSPEC_VNNI
+#define QRUN 8
+#else
+#define QRUN 1
+#endif
 typedef struct {
     const int8_t *q;
     const float *dx, *ds16, *ds32;
@@ -305,8 +320,8 @@ static inline __attribute__((always_inline)) void decode_low512(const int BITS, 
 }
 
 /* NB (1..8) rows of x against one block of 16 output rows; y [t * ldy + r] for r < 16.  BITS and G are
- * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: the rows' codes [t * K] and block scales
- * [t * K/32]; ds: dx * code sums per weight group [t * K/G]. */
+ * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: one run of NB interleaved rows' codes and block
+ * scales (see qrows: [K/32][NB][32] and [K/32][NB]); ds: dx * code sums per weight group, [K/G][NB]. */
 static inline __attribute__((always_inline)) void block_vnni(const int NB, const int BITS, const long G,
                                                              const int SYM, const int SK, long K,
                                                              const int8_t *xq, const float *dx, const float *ds,
@@ -342,16 +357,17 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
         /* symmetric (no stored minimum): -2^(BITS-1) d, exactly the row form's minimum */
         const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : scales16(minv, g, SK, groups, G);
         for (int t = 0; t < NB; t++) {
-            const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
+            /* the run's rows interleaved (QRUN = NB rows, or the rows left): row t at a constant offset */
+            const int32_t *xg = (const int32_t *)(xq + (g * G) / 32 * (NB * 32) + t * 32 + (g * G) % 32);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* two chains: integer sums are */
             for (int j = 0; j < G / 4; j += 2) {                               /* exact in any order */
                 s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xg[j]));
                 s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xg[j + 1]));
             }
             const __m512i s = _mm512_add_epi32(s0, s1);
-            const __m512 d = _mm512_mul_ps(dv, _mm512_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
+            const __m512 d = _mm512_mul_ps(dv, _mm512_set1_ps(dx[(g * G) / 32 * NB + t]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[t]);
-            acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ds[t * groups + g]), acc[t]);
+            acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ds[g * NB + t]), acc[t]);
         }
     }
     for (int t = 0; t < NB; t++) {
@@ -547,6 +563,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
 #ifdef SELFSPEC_VNNI
 #define BLOCK_KERNEL block_vnni
 #define BLOCK_RUN 8 /* rows per weight pass: 8 accumulators of 16 lanes */
+_Static_assert(BLOCK_RUN == QRUN, "the VNNI products take the quantised rows' runs whole");
 #else
 #define BLOCK_KERNEL block_avx2
 #define BLOCK_RUN 4 /* 4 rows x 2 halves of 8 lanes: the 16 vector registers */
@@ -798,8 +815,10 @@ long selfspec_qrows_bytes(long T, long K) { return ((qrows_bytes(T, K) + 63) / 6
 /* Row t of x (x_t [K]) quantised into buf (selfspec_qrows_bytes(T, K) bytes), one thread */
 void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t) {
     const qrows r = qrows_at(buf, T, K);
-    selfspec_quantize_row(K, x_t, (int8_t *)r.q + t * K, (float *)r.dx + t * (K / 32), (float *)r.ds16 + t * (K / 16),
-                          (float *)r.ds32 + t * (K / 32), (int32_t *)r.xs16 + t * (K / 16));
+    const long run = t / QRUN * QRUN, i = t - run, S = T - run < QRUN ? T - run : QRUN;
+    quantize_row_strided(K, x_t, (int8_t *)r.q + run * K + 32 * i, (float *)r.dx + run * (K / 32) + i,
+                         (float *)r.ds16 + run * (K / 16) + i, (float *)r.ds32 + run * (K / 32) + i,
+                         (int32_t *)r.xs16 + run * (K / 16) + i, S);
 }
 
 /* This thread's share of quantising every row of x [T, K] into buf; a work-sharing loop with its closing barrier */
