@@ -6,6 +6,8 @@ biases, Qwen3's q/k norms, Gemma 3's sandwich norms, GELU and two rotary tables)
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import ARCHS, tiny_model
@@ -77,14 +79,18 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len)
     assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(6, 2, 64), (4, 1, 80), (4, 1, 72), (8, 2, 128)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(6, 2, 64), (4, 1, 80), (4, 1, 72), (8, 2, 128), (7, 1, 64), (14, 2, 64)])  # fmt: skip
 def test_query_heads_attended_together_get_a_lone_rows_logits(heads, kv_heads, head_dim):
     """A long pass attends several query heads of one key/value head together (shared value loads, one list of
-    visible keys); a one-token step attends them one by one: each token's logits are the same bit for bit,
-    across head sizes that take the vector blocks alone (64, 128), with a scalar tail (80) and a partial vector
-    chunk (72)."""
-    model = tiny_model("llama", seed=5, hidden_size=16 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       head_dim=head_dim)
+    visible keys); a one-token step attends them one by one or fewer together: each token's logits are the same
+    bit for bit, across head sizes that take the vector blocks alone (64, 128), with a scalar tail (80) and a
+    partial vector chunk (72), and with 7 query heads a key/value head (Qwen2.5's), which go in uneven chunks
+    (4 + 3 in the long pass, 2 + 2 + 2 + 1 in a one-token step of one key/value head)."""
+    hidden = math.lcm(16 * heads, 32)  # quantised rows hold multiples of 32 weights; transformers: of `heads`
+    model = tiny_model(
+        "llama", seed=5, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim
+    )
     quantize_linears(model.hf, 8)
     model = selfspec.model_from_hf(model.hf, model.tokenizer, name=f"tiny-llama-{heads}x{head_dim}")
     assert model.engine.fused, model.engine.fused_reason

@@ -682,12 +682,15 @@ static void attend_rows(int R, int kv16, const float *q, const void *kc, const v
         for (long d = 0; d < hd; d++) out[r * hd + d] = out[r * hd + d] / denom[r];
 }
 
-/* How many query heads of one key/value head to attend together: the most (up to RMAX, dividing `groups`)
- * that still leaves every thread two work items; one where the pass is too small for that (a one-token step
- * of a model with few key/value heads), so that no thread idles. */
-static int heads_together(long T, long n_heads, long groups, int threads) {
+/* How many query heads of one key/value head to attend together: the most (up to RMAX; a key/value head's
+ * `groups` query heads go in chunks of R, the last one the heads left) that still leaves every thread two work
+ * items; one where the pass is too small for that (a one-token step of a model with few key/value heads), so
+ * that no thread idles.  Heads taken together read each key and value once for all of them; a row's result is
+ * the same whatever R (each row's sums run in the same order).  R once had to divide `groups`: Qwen2.5's 7
+ * query heads a key/value head then went one at a time, and its prompts' attention read every key 7 times. */
+static int heads_together(long T, long n_kv, long groups, int threads) {
     for (int R = RMAX; R > 1; R--)
-        if (groups % R == 0 && T * n_heads / R >= 2 * threads) return R;
+        if (T * n_kv * ((groups + R - 1) / R) >= 2 * threads) return R;
     return 1;
 }
 
@@ -798,17 +801,18 @@ static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long
             kv_put(r.io->v, (g * cap + start + r.t) * hd, v + (t * nkv + g) * hd, hd, ps->kv16);
         }
     }
-    const int R = heads_together(T, nh, groups, omp_get_num_threads());
-    const long per_t = groups / R; /* work items per token and key/value head */
+    const int R = heads_together(T, nkv, groups, omp_get_num_threads());
+    const long per_t = (groups + R - 1) / R; /* work items per token and key/value head */
 #pragma omp for schedule(static)
     for (long it = 0; it < nkv * T * per_t; it++) { /* key/value head by key/value head: its cache stays hot */
-        const long g = it / (T * per_t), t = it / per_t % T, hh = g * groups + it % per_t * R;
+        const long g = it / (T * per_t), t = it / per_t % T, c = it % per_t, hh = g * groups + c * R;
+        const int heads = (int)(groups - c * R < R ? groups - c * R : R); /* the last chunk: the heads left */
         const row_t r = row_of(sq, layer, t);
         const long start = sq->start[r.s], cap = sq->cap[r.s];
         const long nkeys = start + sq->off[r.s + 1] - sq->off[r.s];
         const uint8_t *allow = r.io->mask ? r.io->mask + r.t * nkeys : NULL;
         const long visible = r.io->mask ? nkeys : start + r.t + 1;
-        attend_rows(R, ps->kv16, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv16),
+        attend_rows(heads, ps->kv16, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv16),
                     kv_at(r.io->v, g * cap * hd, ps->kv16), hd, visible, allow,
                     (float)L->scaling, list, p, pstride, a + (t * nh + hh) * hd);
     }
