@@ -660,15 +660,19 @@ static void scores(int R, int kv16, const float *q, const void *kc, long hd, con
           : scores_rows(N, 0, q, kc, HD, list, m, scaling, p, pstride, mx))
 #define SCORES64(N) SCORES_HD(N, 64)
 #define SCORES128(N) SCORES_HD(N, 128)
+#define SCORES256(N) SCORES_HD(N, 256)
 #define SCORES(N) SCORES_HD(N, hd)
     if (hd == 64) {
         ROWS_SWITCH(R, SCORES64)
     } else if (hd == 128) {
         ROWS_SWITCH(R, SCORES128)
+    } else if (hd == 256) {
+        ROWS_SWITCH(R, SCORES256)
     } else {
         ROWS_SWITCH(R, SCORES)
     }
 #undef SCORES
+#undef SCORES256
 #undef SCORES128
 #undef SCORES64
 #undef SCORES_HD
