@@ -80,13 +80,14 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
-                         [(6, 2, 64), (4, 1, 80), (4, 1, 72), (8, 2, 128), (7, 1, 64), (14, 2, 64)])  # fmt: skip
+                         [(6, 2, 64), (4, 1, 80), (4, 1, 72), (8, 2, 128), (4, 1, 256), (7, 1, 64),
+                          (14, 2, 64)])  # fmt: skip
 def test_query_heads_attended_together_get_a_lone_rows_logits(heads, kv_heads, head_dim):
     """A long pass attends several query heads of one key/value head together (shared value loads, one list of
     visible keys); a one-token step attends them one by one or fewer together: each token's logits are the same
-    bit for bit, across head sizes that take the vector blocks alone (64, 128), with a scalar tail (80) and a
-    partial vector chunk (72), and with 7 query heads a key/value head (Qwen2.5's), which go in uneven chunks
-    (4 + 3 in the long pass, 2 + 2 + 2 + 1 in a one-token step of one key/value head)."""
+    bit for bit, across head sizes that take the vector blocks alone (64, 128, 256: the scores' unrolled forms), with
+    a scalar tail (80) and a partial vector chunk (72), and with 7 query heads a key/value head (Qwen2.5's), which
+    go in uneven chunks (4 + 3 in the long pass, 2 + 2 + 2 + 1 in a one-token step of one key/value head)."""
     hidden = math.lcm(16 * heads, 32)  # quantised rows hold multiples of 32 weights; transformers: of `heads`
     model = tiny_model(
         "llama", seed=5, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim
