@@ -72,6 +72,9 @@ _STRING, _ARRAY = 8, 9
 _SCALAR_FORMATS = {4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # the values rope scaling keys take
 
 
+_LENGTH = struct.Struct("<Q")  # a string's length before its bytes
+
+
 class _HeaderWalker:
     """Reads a GGUF header from a buffer, front to back: numbers, strings, and values skipped by their type."""
 
@@ -99,6 +102,13 @@ class _HeaderWalker:
             inner, count = self.unpack("IQ")
             if inner in _SCALAR_SIZES:
                 self.pos += count * _SCALAR_SIZES[inner]
+            elif inner == _STRING:  # a vocabulary: lengths read, texts not decoded (0.65 s -> 0.05 s for 300k)
+                pos, length = self.pos, _LENGTH.unpack_from
+                for _ in range(count):
+                    pos += 8 + length(self.buf, pos)[0]
+                if pos > len(self.buf):
+                    raise self.bad("a string runs past the end")
+                self.pos = pos
             else:
                 for _ in range(count):
                     self.skip(inner)
