@@ -102,7 +102,7 @@ class _HeaderWalker:
             inner, count = self.unpack("IQ")
             if inner in _SCALAR_SIZES:
                 self.pos += count * _SCALAR_SIZES[inner]
-            elif inner == _STRING:  # a vocabulary: lengths read, texts not decoded (0.65 s -> 0.05 s for 300k)
+            elif inner == _STRING:  # a vocabulary: lengths read, texts not decoded (Qwen2.5's header 0.29 -> 0.12 s)
                 pos, length = self.pos, _LENGTH.unpack_from
                 for _ in range(count):
                     pos += 8 + length(self.buf, pos)[0]

@@ -328,7 +328,7 @@ static void kv_put(void *base, long i, const float *x, long n, int kv16) {
  * past its 64-wide blocks), by the same fused multiply-adds in key order as the vector blocks */
 static void weighted_dims(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
                           long d0, long hd, float *out) {
-    if (d0 >= hd) return; /* (the compiler kept the loop over the keys around an empty one: a third of the sums' time) */
+    if (d0 >= hd) return; /* the compiler kept the loop over the keys around an empty one: a third of the sums */
     for (int r = 0; r < R; r++) {
         const float *pr = p + r * pstride;
         float *o = out + r * hd;
@@ -649,10 +649,10 @@ static void weighted_values(int R, int kv16, const float *p, long pstride, const
 
 #if defined(__AVX512F__) || defined(FUSED_AVX2)
 /* The vector builds' scores: scores_rows of this build, by row count and cache entry type, and for the common head
- * sizes (64: SmolLM2, Qwen2.5 0.5B; 128: Llama, Qwen2.5 1.5B+) with the size a constant, so that a key's loop over
- * its dimensions is unrolled (the same operations in the same order as the loop: the same numbers).  The loop
- * kept its counter and branch beside each key's 4-12 vector operations, and a long prompt's attention is a
- * quarter to a half of its prefill on the small models. */
+ * sizes (64: SmolLM2, Qwen2.5 0.5B; 128: Llama, Qwen2.5 1.5B+; 256: Gemma 3) with the size a constant, so that a
+ * key's loop over its dimensions is unrolled (the same operations in the same order as the loop: the same
+ * numbers).  The loop kept its counter and branch beside each key's 4-12 vector operations, and a long prompt's
+ * attention is a quarter to a half of its prefill on the small models. */
 static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
                    float *p, long pstride, float *mx) {
 #define SCORES_HD(N, HD) \

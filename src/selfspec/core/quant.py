@@ -870,7 +870,7 @@ def _compact_blocks(code: np.ndarray, bits: int, minima: bool) -> np.ndarray:
         if u.min(initial=0) < 0 or u.max(initial=0) >= 1 << CODE_BITS[bits]:
             raise SelfspecError(f"codes out of the range of their type's {bits}-bit form")
         u = u.astype(np.uint8)
-    else:  # offset in bytes, wrapping: a code below the range lands at 256 - k and one above it at 2^bits or more,
+    else:  # offset in bytes, wrapping: a code below its range lands at 128 or more, one above it at 2^bits or more,
         u = code.view(np.uint8).reshape(shape) + np.uint8(0 if minima else 1 << (bits - 1))  # so one max checks both
         if u.max(initial=0) >= 1 << bits:
             raise SelfspecError(f"codes out of the range of their type's {bits}-bit form")
