@@ -867,13 +867,13 @@ def _compact_blocks(code: np.ndarray, bits: int, minima: bool) -> np.ndarray:
     shape = (code.shape[0], 16, code.shape[2], -1)
     if bits == LUT4:
         u = _IQ4_INDEX[code.astype(np.int16).reshape(shape) + 128]
-        if u.min(initial=0) < 0 or u.max(initial=0) >= 1 << CODE_BITS[bits]:
-            raise SelfspecError(f"codes out of the range of their type's {bits}-bit form")
-        u = u.astype(np.uint8)
+        out_of_range = u.min(initial=0) < 0 or u.max(initial=0) >= 1 << CODE_BITS[bits]
     else:  # offset in bytes, wrapping: a code below its range lands at 128 or more, one above it at 2^bits or more,
         u = code.view(np.uint8).reshape(shape) + np.uint8(0 if minima else 1 << (bits - 1))  # so one max checks both
-        if u.max(initial=0) >= 1 << bits:
-            raise SelfspecError(f"codes out of the range of their type's {bits}-bit form")
+        out_of_range = u.max(initial=0) >= 1 << bits
+    if out_of_range:
+        raise SelfspecError(f"codes out of the range of their type's {bits}-bit form")
+    u = u.astype(np.uint8, copy=False)
     if bits in (2, 3):
         return _low_bit_blocks(u, bits)
     half = u.shape[-1] // 2  # G 32: k and k + 16 share a byte; G 16: k and k + 8
