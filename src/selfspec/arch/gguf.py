@@ -93,22 +93,27 @@ class _HeaderWalker:
         self.pos += n
         return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", "replace")
 
+    def skip_strings(self, count: int) -> None:
+        """Past ``count`` strings by their lengths alone, their texts not decoded (a vocabulary's 150-260k:
+        Qwen2.5's header 0.29 -> 0.12 s)."""
+        pos, length = self.pos, _LENGTH.unpack_from
+        for _ in range(count):
+            pos += 8 + length(self.buf, pos)[0]
+        if pos > len(self.buf):
+            raise self.bad("a string runs past the end")
+        self.pos = pos
+
     def skip(self, kind: int) -> None:
         if kind in _SCALAR_SIZES:
             self.pos += _SCALAR_SIZES[kind]
         elif kind == _STRING:
-            self.string()
+            self.skip_strings(1)
         elif kind == _ARRAY:
             inner, count = self.unpack("IQ")
             if inner in _SCALAR_SIZES:
                 self.pos += count * _SCALAR_SIZES[inner]
-            elif inner == _STRING:  # a vocabulary: lengths read, texts not decoded (Qwen2.5's header 0.29 -> 0.12 s)
-                pos, length = self.pos, _LENGTH.unpack_from
-                for _ in range(count):
-                    pos += 8 + length(self.buf, pos)[0]
-                if pos > len(self.buf):
-                    raise self.bad("a string runs past the end")
-                self.pos = pos
+            elif inner == _STRING:
+                self.skip_strings(count)
             else:
                 for _ in range(count):
                     self.skip(inner)
