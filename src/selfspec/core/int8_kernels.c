@@ -349,10 +349,9 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
             decode_low512(BITS, codes + g * GROUP_BYTES(BITS, G), w);
         } else if (BITS == 5 || BITS == 6) {
             decode_compact512(BITS, codes + g * GROUP_BYTES(BITS, G), w);
-        } else {
-            const uint8_t *c = codes + g * G * 16;
-            for (int j = 0; j < G / 4; j++) w[j] = _mm512_loadu_si512(c + 64 * j);
-        }
+        } /* q8: its bytes are read where they are multiplied (below); copied into w, the loop was compiled as a
+           * call of memcpy per group (a tenth of a Qwen2.5 step, in its Q8_0 head) */
+        const uint8_t *c8 = codes + g * G * 16;
         const __m512 dv = scales16(scale, g, SK, groups, G);
         /* symmetric (no stored minimum): -2^(BITS-1) d, exactly the row form's minimum */
         const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : scales16(minv, g, SK, groups, G);
@@ -361,8 +360,10 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
             const int32_t *xg = (const int32_t *)(xq + (g * G) / 32 * (NB * 32) + t * 32 + (g * G) % 32);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* two chains: integer sums are */
             for (int j = 0; j < G / 4; j += 2) {                               /* exact in any order */
-                s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xg[j]));
-                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xg[j + 1]));
+                const __m512i w0 = BITS == 8 ? _mm512_loadu_si512(c8 + 64 * j) : w[j];
+                const __m512i w1 = BITS == 8 ? _mm512_loadu_si512(c8 + 64 * (j + 1)) : w[j + 1];
+                s0 = _mm512_dpbusd_epi32(s0, w0, _mm512_set1_epi32(xg[j]));
+                s1 = _mm512_dpbusd_epi32(s1, w1, _mm512_set1_epi32(xg[j + 1]));
             }
             const __m512i s = _mm512_add_epi32(s0, s1);
             const __m512 d = _mm512_mul_ps(dv, _mm512_set1_ps(dx[(g * G) / 32 * NB + t]));
@@ -382,13 +383,20 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
 #ifdef SELFSPEC_AVX2
 /* The exact integer sums of one group for one row of x (xg: its int8 codes as 4-byte words) and 8 output rows:
  * q4 from the group's nibbles w[8] (k = 4j + i in w[j]); q8 from its bytes c (32 bytes per 4 k, 64 apart) */
+/* Word j of a group's codes: w[j] as decoded, or where raw (q8 bytes, words 64 apart) is given, read from there:
+ * q8 words copied into an array first were compiled as a call of memcpy per group */
+static inline __attribute__((always_inline)) __m256i word256(const __m256i *w, const uint8_t *raw, int j) {
+    return raw ? _mm256_loadu_si256((const __m256i *)(raw + 64 * j)) : w[j];
+}
+
 #ifdef SELFSPEC_AVXVNNI
 /* AVX-VNNI: the exact sums of NW words of codes (unsigned bytes, any of the forms) in two chains of vpdpbusd */
-static inline __attribute__((always_inline)) __m256i dots_vnni256(const int NW, const __m256i *w, const int32_t *xg) {
+static inline __attribute__((always_inline)) __m256i dots_vnni256(const int NW, const __m256i *w, const uint8_t *raw,
+                                                                  const int32_t *xg) {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
     for (int j = 0; j < NW; j += 2) {
-        s0 = _mm256_dpbusd_avx_epi32(s0, w[j], _mm256_set1_epi32(xg[j]));
-        s1 = _mm256_dpbusd_avx_epi32(s1, w[j + 1], _mm256_set1_epi32(xg[j + 1]));
+        s0 = _mm256_dpbusd_avx_epi32(s0, word256(w, raw, j), _mm256_set1_epi32(xg[j]));
+        s1 = _mm256_dpbusd_avx_epi32(s1, word256(w, raw, j + 1), _mm256_set1_epi32(xg[j + 1]));
     }
     return _mm256_add_epi32(s0, s1);
 }
@@ -396,7 +404,7 @@ static inline __attribute__((always_inline)) __m256i dots_vnni256(const int NW, 
 
 static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8], const int32_t *xg) {
 #ifdef SELFSPEC_AVXVNNI
-    return dots_vnni256(8, w, xg);
+    return dots_vnni256(8, w, NULL, xg);
 #else
     __m256i p = _mm256_setzero_si256(); /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
     for (int j = 0; j < 8; j++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xg[j])));
@@ -404,17 +412,17 @@ static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8],
 #endif
 }
 
-/* q8 codes (code + 128) in NW words w[NW] (xsum: the group's sum of xq) */
-static inline __attribute__((always_inline)) __m256i sums_bytes(const int NW, const __m256i *w, const int32_t *xg,
-                                                                 int32_t xsum) {
+/* q8 codes (code + 128) in NW words (word256: w[NW], or read from raw) (xsum: the group's sum of xq) */
+static inline __attribute__((always_inline)) __m256i sums_bytes(const int NW, const __m256i *w, const uint8_t *raw,
+                                                                 const int32_t *xg, int32_t xsum) {
 #ifdef SELFSPEC_AVXVNNI
     (void)xsum; /* vpdpbusd takes the codes + 128 as they are */
-    return dots_vnni256(NW, w, xg);
+    return dots_vnni256(NW, w, raw, xg);
 #else
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
     for (int j = 0; j < NW; j++) {
-        const __m256i v = _mm256_xor_si256(w[j], flip);
+        const __m256i v = _mm256_xor_si256(word256(w, raw, j), flip);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v),
                                                                        _mm256_sign_epi8(_mm256_set1_epi32(xg[j]), v)),
                                                   ones16));
@@ -425,9 +433,7 @@ static inline __attribute__((always_inline)) __m256i sums_bytes(const int NW, co
 
 static inline __attribute__((always_inline)) __m256i sums_q8(const long G, const uint8_t *c, const int32_t *xg,
                                                               int32_t xsum) {
-    __m256i w[8];
-    for (int j = 0; j < G / 4; j++) w[j] = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
-    return sums_bytes(G / 4, w, xg, xsum);
+    return sums_bytes(G / 4, NULL, c, xg, xsum);
 }
 
 /* The 8 scales or minima of rows 8h..8h+7 of group g, as scales16 (halves widened by F16C's vcvtph2ps) */
@@ -446,7 +452,7 @@ static inline __attribute__((always_inline)) __m256 scales8(const void *p, long 
 /* The same for 5- and 6-bit codes (0..63) in NW words w[NW]: pair products reach 16,002, so two words add in int16 */
 static inline __attribute__((always_inline)) __m256i sums_small(const int NW, const __m256i *w, const int32_t *xg) {
 #ifdef SELFSPEC_AVXVNNI
-    return dots_vnni256(NW, w, xg);
+    return dots_vnni256(NW, w, NULL, xg);
 #else
     const __m256i ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
@@ -542,7 +548,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                 const int32_t xsum = G == 32 ? xst[0] + xst[1] : xst[0];
                 const __m256i s = BITS == 4                               ? sums_q4(w, xg)
                                   : BITS <= 3 || BITS == 5 || BITS == 6 ? sums_small(G / 4, w, xg)
-                                  : BITS == LUT4                          ? sums_bytes(8, w, xg, xsum)
+                                  : BITS == LUT4                          ? sums_bytes(8, w, NULL, xg, xsum)
                                                                           : sums_q8(G, c, xg, xsum);
                 const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t]);
