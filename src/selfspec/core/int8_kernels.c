@@ -253,6 +253,11 @@ static inline float scale_at(const void *p, long g, int r, int SK, long groups, 
     return SK ? half_to_float(((const uint16_t *)p)[g * 16 + r]) : ((const float *)p)[g * 16 + r];
 }
 
+/* Small loops of a constant count (words of a group, rows of a run) unrolled whole, so that their arrays of vectors
+ * stay in registers: left to the compiler's heuristics in the one big function that inlines every form, GCC kept
+ * them as loops over stack arrays (a group's decoded words stored and reloaded, twice the instructions) */
+#define UNROLL _Pragma("GCC unroll 16")
+
 #ifdef SELFSPEC_VNNI
 
 /* The 16 scales or minima of group g (see scale_at): fp32, halves widened by vcvtph2ps, or sub-scales (signed
@@ -277,10 +282,12 @@ static inline __attribute__((always_inline)) void decode_compact512(const int BI
     const int J = BITS == 5 ? 4 : 2; /* 64-byte groups of nibbles */
     const __m512i hb = _mm512_loadu_si512(c + 64 * J), mask = _mm512_set1_epi8(BITS == 5 ? 0x10 : 0x30);
     __m512i h[8];
+    UNROLL
     for (int j = 0; j < 2 * J; j++) {
         const int shift = 4 - (BITS - 4) * j; /* left by shift, or right by -shift: bits only move within a byte */
         h[j] = shift > 0 ? _mm512_slli_epi16(hb, shift) : shift < 0 ? _mm512_srli_epi16(hb, -shift) : hb;
     }
+    UNROLL
     for (int j = 0; j < J; j++) {
         const __m512i v = _mm512_loadu_si512(c + 64 * j);
         w[j] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), h[j], mask, 0xF8);
@@ -292,6 +299,7 @@ static inline __attribute__((always_inline)) void decode_compact512(const int BI
  * each 64-byte group, then the high ones; LUT4's indices looked up (vpshufb within each 16-byte lane) */
 static inline __attribute__((always_inline)) void decode_nibbles512(const int BITS, const uint8_t *c, __m512i w[8]) {
     const __m512i low = _mm512_set1_epi8(15);
+    UNROLL
     for (int j = 0; j < 4; j++) {
         const __m512i v = _mm512_loadu_si512(c + 64 * j);
         w[j] = _mm512_and_si512(v, low);
@@ -299,6 +307,7 @@ static inline __attribute__((always_inline)) void decode_nibbles512(const int BI
     }
     if (BITS == LUT4) {
         const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_CODES));
+        UNROLL
         for (int j = 0; j < 8; j++) w[j] = _mm512_shuffle_epi8(table, w[j]);
     }
 }
@@ -307,11 +316,13 @@ static inline __attribute__((always_inline)) void decode_nibbles512(const int BI
  * and for BITS 3 the third bits (the upper 32 bytes, rows 8-15, take theirs from bits 4-7) moved to bit 2 */
 static inline __attribute__((always_inline)) void decode_low512(const int BITS, const uint8_t *c, __m512i w[4]) {
     const __m512i v = _mm512_loadu_si512(c), three = _mm512_set1_epi8(3);
+    UNROLL
     for (int j = 0; j < 4; j++) w[j] = _mm512_and_si512(j ? _mm512_srli_epi16(v, 2 * j) : v, three);
     if (BITS == 3) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)(c + 64));
         const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 4), 1);
         const __m512i four = _mm512_set1_epi8(4);
+        UNROLL
         for (int j = 0; j < 4; j++) { /* bit j to bit 2: bits only move within a byte once masked */
             const __m512i t = j < 2 ? _mm512_slli_epi16(hb, 2 - j) : j > 2 ? _mm512_srli_epi16(hb, j - 2) : hb;
             w[j] = _mm512_ternarylogic_epi32(w[j], t, four, 0xF8);
@@ -332,12 +343,14 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
     (void)xs; /* vpdpbusd takes the codes + 128 as they are */
     const long groups = K / G;
     __m512 acc[8];
+    UNROLL
     for (int t = 0; t < NB; t++) acc[t] = _mm512_setzero_ps();
     const long group_bytes = GROUP_BYTES(BITS, G), ahead = prefetch_bytes / group_bytes;
     for (long g = 0; g < groups; g++) {
         /* the weights prefetch_bytes ahead in this thread's stream (its blocks are consecutive): a share of a
          * product is too short a stream for the hardware prefetcher, which alone read the head at 2/3 the speed */
         if (ahead) {
+            UNROLL
             for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
             __builtin_prefetch((const char *)scale + (g + ahead) * 16 * SCALE_BYTES(SK), 0, 0);
             if (!SYM) __builtin_prefetch((const char *)minv + (g + ahead) * 16 * SCALE_BYTES(SK), 0, 0);
@@ -355,10 +368,12 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
         const __m512 dv = scales16(scale, g, SK, groups, G);
         /* symmetric (no stored minimum): -2^(BITS-1) d, exactly the row form's minimum */
         const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : scales16(minv, g, SK, groups, G);
+        UNROLL
         for (int t = 0; t < NB; t++) {
             /* the run's rows interleaved (QRUN = NB rows, or the rows left): row t at a constant offset */
             const int32_t *xg = (const int32_t *)(xq + (g * G) / 32 * (NB * 32) + t * 32 + (g * G) % 32);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* two chains: integer sums are */
+            UNROLL
             for (int j = 0; j < G / 4; j += 2) {                               /* exact in any order */
                 const __m512i w0 = BITS == 8 ? _mm512_loadu_si512(c8 + 64 * j) : w[j];
                 const __m512i w1 = BITS == 8 ? _mm512_loadu_si512(c8 + 64 * (j + 1)) : w[j + 1];
@@ -371,6 +386,7 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
             acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ds[g * NB + t]), acc[t]);
         }
     }
+    UNROLL
     for (int t = 0; t < NB; t++) {
         __m512 r = acc[t];
         if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias));
@@ -394,6 +410,7 @@ static inline __attribute__((always_inline)) __m256i word256(const __m256i *w, c
 static inline __attribute__((always_inline)) __m256i dots_vnni256(const int NW, const __m256i *w, const uint8_t *raw,
                                                                   const int32_t *xg) {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    UNROLL
     for (int j = 0; j < NW; j += 2) {
         s0 = _mm256_dpbusd_avx_epi32(s0, word256(w, raw, j), _mm256_set1_epi32(xg[j]));
         s1 = _mm256_dpbusd_avx_epi32(s1, word256(w, raw, j + 1), _mm256_set1_epi32(xg[j + 1]));
@@ -407,6 +424,7 @@ static inline __attribute__((always_inline)) __m256i sums_q4(const __m256i w[8],
     return dots_vnni256(8, w, NULL, xg);
 #else
     __m256i p = _mm256_setzero_si256(); /* 8 int16 pair sums of at most 3,810 each: their total stays below 32,767 */
+    UNROLL
     for (int j = 0; j < 8; j++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xg[j])));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 #endif
@@ -421,6 +439,7 @@ static inline __attribute__((always_inline)) __m256i sums_bytes(const int NW, co
 #else
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
+    UNROLL
     for (int j = 0; j < NW; j++) {
         const __m256i v = _mm256_xor_si256(word256(w, raw, j), flip);
         s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v),
@@ -456,6 +475,7 @@ static inline __attribute__((always_inline)) __m256i sums_small(const int NW, co
 #else
     const __m256i ones16 = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
+    UNROLL
     for (int j = 0; j < NW; j += 2) {
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xg[j])),
                                            _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(xg[j + 1])));
@@ -473,10 +493,12 @@ static inline __attribute__((always_inline)) void decode_compact(const int BITS,
     const __m256i hb = _mm256_loadu_si256((const __m256i *)(c + 64 * J));
     const __m256i mask = _mm256_set1_epi8(BITS == 5 ? 0x10 : 0x30);
     __m256i h[8];
+    UNROLL
     for (int j = 0; j < 2 * J; j++) {
         const int shift = 4 - (BITS - 4) * j; /* as decode_compact512 */
         h[j] = shift > 0 ? _mm256_slli_epi16(hb, shift) : shift < 0 ? _mm256_srli_epi16(hb, -shift) : hb;
     }
+    UNROLL
     for (int j = 0; j < J; j++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
         w[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h[j], mask));
@@ -508,9 +530,11 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
     const long group_bytes = GROUP_BYTES(BITS, G), ahead = prefetch_bytes / group_bytes; /* as block_vnni's */
     for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
         __m256 acc[8];             /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
+        UNROLL
         for (int t = 0; t < NB; t++) acc[t] = _mm256_setzero_ps();
         for (long g = 0; g < groups; g++) {
             if (ahead && h == 0)
+                UNROLL
                 for (long b = 0; b < group_bytes; b += 64)
                     __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
             const uint8_t *c = codes + g * group_bytes + 32 * h;
@@ -519,20 +543,24 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                                   : scales8(minv, g, h, SK, groups, G);
             __m256i w[8];
             if (NIBBLES(BITS)) {
+                UNROLL
                 for (int j = 0; j < 4; j++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j));
                     w[j] = _mm256_and_si256(v, low);
                     w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
                 if (BITS == LUT4)
+                    UNROLL
                     for (int j = 0; j < 8; j++) w[j] = _mm256_shuffle_epi8(table, w[j]);
             } else if (BITS == 2 || BITS == 3) { /* as decode_low512; this half's third bits: bits 4h .. 4h + 3 */
                 const __m256i v = _mm256_loadu_si256((const __m256i *)c), three = _mm256_set1_epi8(3);
+                UNROLL
                 for (int j = 0; j < 4; j++) w[j] = _mm256_and_si256(j ? _mm256_srli_epi16(v, 2 * j) : v, three);
                 if (BITS == 3) {
                     __m256i hb = _mm256_loadu_si256((const __m256i *)(codes + g * group_bytes + 64));
                     if (h) hb = _mm256_srli_epi16(hb, 4);
                     const __m256i four = _mm256_set1_epi8(4);
+                    UNROLL
                     for (int j = 0; j < 4; j++) {
                         const __m256i t = j < 2   ? _mm256_slli_epi16(hb, 2 - j)
                                           : j > 2 ? _mm256_srli_epi16(hb, j - 2)
@@ -542,6 +570,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                 }
             } else if (BITS == 5 || BITS == 6)
                 decode_compact(BITS, c, w);
+            UNROLL
             for (int t = 0; t < NB; t++) {
                 const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
                 const int32_t *xst = xs + t * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
@@ -555,6 +584,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                 acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t]);
             }
         }
+        UNROLL
         for (int t = 0; t < NB; t++) {
             __m256 r = acc[t];
             if (bias) r = _mm256_add_ps(r, _mm256_loadu_ps(bias + 8 * h));
