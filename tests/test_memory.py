@@ -81,3 +81,22 @@ def test_return_free_heap_runs_anywhere(error, monkeypatch):
     finally:
         monkeypatch.undo()
         heap._malloc_trim.cache_clear()
+
+
+def test_a_load_freezes_what_it_made_and_a_dropped_model_is_still_freed():
+    """models.load pauses the cyclic collector and freezes the objects alive at its end (later passes skip them);
+    the collector is back on after it, and a model dropped later is freed all the same (its objects hold no
+    cycles that only the collector, which skips frozen objects, could break)."""
+    import gc
+    import weakref
+
+    from selfspec.model.models import load
+
+    model = load("smollm2-135m")
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    tracked = {id(o) for o in gc.get_objects()}  # frozen objects are in no generation
+    assert id(model.hf) not in tracked and id(model.engine) not in tracked
+    engine, hf = weakref.ref(model.engine), weakref.ref(model.hf)
+    del model
+    gc.collect()
+    assert engine() is None and hf() is None
