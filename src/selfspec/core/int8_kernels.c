@@ -397,14 +397,14 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
 #endif
 
 #ifdef SELFSPEC_AVX2
-/* The exact integer sums of one group for one row of x (xg: its int8 codes as 4-byte words) and 8 output rows:
- * q4 from the group's nibbles w[8] (k = 4j + i in w[j]); q8 from its bytes c (32 bytes per 4 k, 64 apart) */
 /* Word j of a group's codes: w[j] as decoded, or where raw (q8 bytes, words 64 apart) is given, read from there:
  * q8 words copied into an array first were compiled as a call of memcpy per group */
 static inline __attribute__((always_inline)) __m256i word256(const __m256i *w, const uint8_t *raw, int j) {
     return raw ? _mm256_loadu_si256((const __m256i *)(raw + 64 * j)) : w[j];
 }
 
+/* The exact integer sums of one group for one row of x (xg: its int8 codes as 4-byte words) and 8 output rows:
+ * q4 from the group's nibbles w[8] (k = 4j + i in w[j]); q8 from its bytes c (32 bytes per 4 k, 64 apart) */
 #ifdef SELFSPEC_AVXVNNI
 /* AVX-VNNI: the exact sums of NW words of codes (unsigned bytes, any of the forms) in two chains of vpdpbusd */
 static inline __attribute__((always_inline)) __m256i dots_vnni256(const int NW, const __m256i *w, const uint8_t *raw,
