@@ -520,3 +520,27 @@ def test_embedding_lookups_of_recent_tokens_are_the_tables_rows(smollm2):
     assert len(embed._recent) == embed._recent_max
     with pytest.raises(IndexError):
         embed(torch.tensor([embed.num_embeddings]))
+
+
+def test_a_prompts_lookup_keeps_its_rows_for_the_steps_after_it(smollm2):
+    """A long lookup (a prompt) leaves its distinct ids' rows among the recent rows, each a copy of its own:
+    a step's lookup of one of them is a hit, bit for bit the row the prompt's lookup gave, whatever the caller
+    did with that lookup's tensor; at most the newest ``_recent_max`` distinct ids are kept."""
+    from selfspec.core import quant
+
+    embed = quant.QuantEmbedding(smollm2.hf.get_input_embeddings().qweight)  # a fresh table of recent rows
+    ids = torch.tensor([[9, 300, 9, 41000, 77, 300, 12, 5, 6, 7, 8]])  # longer than a step's lookup, repeats
+    rows = embed(ids)
+    expected = rows.clone()
+    rows.zero_()  # the caller's tensor, not the kept rows
+    assert set(embed._recent) == {9, 300, 41000, 77, 12, 5, 6, 7, 8}
+    embed.qweight.rows = None  # a hit decodes nothing (a miss would fail here)
+    try:
+        assert torch.equal(embed(torch.tensor([300])), expected[0, 1][None])
+        assert torch.equal(embed(torch.tensor([[41000, 9]])), expected[0, [3, 0]][None])
+    finally:
+        del embed.qweight.rows  # the method again
+    many = torch.arange(embed._recent_max + 50)
+    embed(many)
+    assert len(embed._recent) == embed._recent_max and embed._recent_max + 49 in embed._recent
+    assert 0 not in embed._recent  # the oldest went first

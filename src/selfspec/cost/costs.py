@@ -87,8 +87,16 @@ class CostProfile:
     spread: float = 1.0  # median upper / lower quartile of the full passes' timings (past BUSY_SPREAD: busy)
 
     def forward(self, tokens: int) -> float:
-        """ms of a full-model pass over ``tokens`` new tokens (linear interpolation, extrapolated past 64)."""
-        return _interpolate(self.forward_ms, tokens)
+        """ms of a full-model pass over ``tokens`` new tokens (linear interpolation, extrapolated past 64).
+        Memoised per size: the pricing of a round asks for the same few sizes dozens of times (the n-gram
+        sources' tree selection, about 25 lookups a round), and a profile's tables never change once made."""
+        memo = self.__dict__.get("_forward_memo")
+        if memo is None:
+            memo = self.__dict__["_forward_memo"] = {}  # (frozen: set beside the fields, not one of them)
+        ms = memo.get(tokens)
+        if ms is None:
+            ms = memo[tokens] = _interpolate(self.forward_ms, tokens)
+        return ms
 
     def head(self, tokens: int) -> float:
         """ms of the full LM head over ``tokens`` final hidden states, with the check and argmax a verification

@@ -225,6 +225,8 @@ class SuffixDrafter:
             if n > len(text) - 1:
                 continue
             key = tuple(text[-n:])
+            if key not in self._text.index and key not in self.store.index.index:
+                continue  # (most sizes of most rounds: priced only where there is something to read)
             deep = self._useful_depth(n, depth)
             conts = self._text.continuations(key, deep, MAX_OCCURRENCES)
             conts += self.store.index.continuations(key, deep, MAX_OCCURRENCES)
