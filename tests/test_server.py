@@ -5,6 +5,7 @@ state file is set aside."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -90,6 +91,35 @@ def server(tmp_path_factory):
                  state=tmp_path_factory.mktemp("state") / "s.json")  # fmt: skip
     yield srv
     srv.stop()
+
+
+def test_the_guard_refuses_large_bodies_and_counts_every_request_by_path_and_status(server):
+    """The size check answers before the body is read, OpenAI-style; /metrics counts each request under its
+    route (unknown paths as "other") with the status its response started with, streamed answers included."""
+    def count(endpoint: str, status: int) -> int:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        line = f'selfspec_requests_total{{endpoint="{endpoint}",status="{status}"}} '
+        return sum(int(row[len(line) :]) for row in text.splitlines() if row.startswith(line))
+
+    before = (count("/v1/chat/completions", 413), count("other", 404), count("/v1/chat/completions", 200))
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)  # a body announced, never sent
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", "1000001")
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 413 and "larger than" in json.loads(r.read())["error"]["message"]
+    conn.close()
+    code, _ = post(f"{server.url}/no/such/route", b"{}")
+    assert code == 404
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "stream": True}
+    req = urllib.request.Request(f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.read().decode().rstrip().endswith("data: [DONE]")
+    after = (count("/v1/chat/completions", 413), count("other", 404), count("/v1/chat/completions", 200))
+    assert after == (before[0] + 1, before[1] + 1, before[2] + 1)
 
 
 def test_chat_equals_generate_and_vanilla(server, smollm2):

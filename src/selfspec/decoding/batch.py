@@ -92,8 +92,10 @@ class StepBatcher:
         with self._cond:
             if self._members <= 0:
                 raise RuntimeError("StepBatcher.forward outside a member() block")
+            # no one to wake: the member that completes the batch runs the pass itself, and the waiting ones
+            # hear of it when it ends (or of a member leaving); waking them all at each arrival cost every round
+            # three futile wake-ups per member, each taking the GIL between passes
             self._pending.append(req)
-            self._cond.notify_all()
             while req.logits is None and req.error is None:
                 if not self._running and len(self._pending) >= self._members:
                     self._run_locked()
