@@ -101,10 +101,11 @@ def test_an_abandoned_stream_still_saves_swift_state(tiny_llama, tmp_path):
     assert json.loads(path.read_text())  # a complete JSON file, one entry per model
 
 
-def test_the_finiteness_check_catches_one_nan_anywhere_and_allows_a_forbidden_token():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy's maxima, torch's
+def test_the_finiteness_check_catches_one_nan_anywhere_and_allows_a_forbidden_token(dtype):
     from selfspec.decoding.loop import check_finite
 
-    logits = torch.randn(4, 1000)
+    logits = torch.randn(4, 1000).to(dtype)
     check_finite(logits, "verification")
     for bad in (float("nan"), float("inf")):
         broken = logits.clone()
@@ -115,4 +116,4 @@ def test_the_finiteness_check_catches_one_nan_anywhere_and_allows_a_forbidden_to
     allowed[1, 5] = float("-inf")  # a token with probability 0
     check_finite(allowed, "verification")
     with pytest.raises(SelfspecError):
-        check_finite(torch.full((1, 10), float("-inf")), "verification")  # no token possible at all
+        check_finite(torch.full((1, 10), float("-inf"), dtype=dtype), "verification")  # no token possible at all
