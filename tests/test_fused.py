@@ -250,3 +250,28 @@ def test_the_portable_c_path_reads_and_writes_halves_as_the_vector_one(portable_
         portable, ref, cache = _portable_and_native(model, portable_lib)
     assert cache.layer(0, 30)[0].dtype == torch.float16
     assert (portable - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_the_final_norm_on_the_stack_is_the_modules_norm(qtiny):
+    """The engine's passes on the fused stack norm the head's input natively (the stack's own arithmetic): the
+    model's module within float rounding, Gemma's 1 + weight included; the module itself elsewhere (autograd,
+    other dtypes) and unless asked."""
+    adapter = qtiny.engine.adapter
+    norm = adapter.backbone.norm
+    kept = norm.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn_like(norm.weight))  # not the ones (or zeros) a tiny model starts with
+        h = torch.randn(1, 5, adapter.hidden_size) * 3
+        with torch.inference_mode():
+            ref, got = norm(h), adapter.final_norm(h, native=True)
+            assert got.shape == ref.shape and not torch.equal(got, h)
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+            assert torch.equal(adapter.final_norm(h), ref)
+            half = h.to(torch.bfloat16)
+            assert torch.equal(adapter.final_norm(half, native=True), norm(half))
+        grad = h.clone().requires_grad_()
+        assert adapter.final_norm(grad, native=True).grad_fn is not None  # autograd keeps the module
+    finally:
+        with torch.no_grad():
+            norm.weight.copy_(kept)

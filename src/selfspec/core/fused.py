@@ -84,6 +84,22 @@ def _qmat(linear: QuantLinear, int8: bool) -> _QMat:
                  ptr(linear.bias), *map(ptr, packed), 0 if packed[0] is None else w.x16_form)  # fmt: skip
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, offset: float, eps: float) -> torch.Tensor | None:
+    """``x`` ``[..., n]`` normed as the stack's norms compute (``x / rms(x) * (weight + offset)``), a new tensor:
+    the model's final norm on the stack's passes; None where the native code cannot take it (not float32 rows
+    and weights on the CPU)."""
+    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"):
+        return None
+    n = x.shape[-1]
+    if weight.shape != (n,) or x.requires_grad:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    native().selfspec_rms_norm_rows(x.numel() // n, n, x.data_ptr(), weight.contiguous().data_ptr(), offset, eps,
+                                    out.data_ptr())  # fmt: skip
+    return out
+
+
 def unsupported_reason(layer: FusedLayer) -> str | None:
     """Why the native code cannot run this layer (None when it can)."""
     if layer.activation not in ACTIVATIONS:

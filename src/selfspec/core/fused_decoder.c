@@ -187,6 +187,12 @@ static void rmsnorm(const float *x, const float *w, float offset, float eps, lon
     for (long i = 0; i < n; i++) out[i] = (x[i] * r) * (w[i] + offset);
 }
 
+/* The model's final norm, before the head (outside the stack): rows [T, n] of x normed as the stack's own norms
+ * are, into out.  One call where the model's torch module makes six operations on a decoding step's row. */
+void selfspec_rms_norm_rows(long T, long n, const float *x, const float *w, float offset, float eps, float *out) {
+    for (long t = 0; t < T; t++) rmsnorm(x + t * n, w, offset, eps, n, out + t * n);
+}
+
 /* e^x for x <= 0 down to about -87 (softmax weights), an elementwise formula the compiler vectorises */
 static inline float exp_neg(float x) {
     x = x < -87.0f ? -87.0f : x;

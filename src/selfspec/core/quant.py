@@ -394,6 +394,8 @@ def native() -> ctypes.CDLL:
             lib.selfspec_set_pass_threads.argtypes = [ctypes.c_int]
             lib.selfspec_set_pass_threads.restype = None
             lib.selfspec_pass_threads.restype = ctypes.c_int
+            lib.selfspec_rms_norm_rows.argtypes = [n, n, p, p, ctypes.c_float, ctypes.c_float, p]
+            lib.selfspec_rms_norm_rows.restype = None
             lib.selfspec_move_slots.argtypes = [n, p, p, p, n, p, n, n, n]
             lib.selfspec_move_slots.restype = None
             lib.selfspec_prefill_available.restype = ctypes.c_int

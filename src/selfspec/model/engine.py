@@ -308,7 +308,7 @@ class Engine:
         if last_only:
             h = h[:, -1:]
         if draft and self.draft_vocab is not None:
-            sub = adapter.draft_head(h, self.draft_vocab)
+            sub = adapter.draft_head(h, self.draft_vocab, self.fused)
             if argmax_only:
                 return self.draft_vocab.token_ids(sub.argmax(-1))
             if subset:
@@ -318,8 +318,9 @@ class Engine:
             return self._head(h, False, argmax_only, draft), None
         if argmax_only:  # the head a few rows at a time: never a [T, V] tensor (V = 262k for Gemma 3)
             rows = h.shape[1]
-            return torch.cat([adapter.head(h[:, i : i + HEAD_ROWS])[0].argmax(-1) for i in range(0, rows, HEAD_ROWS)])
-        return adapter.head(h)[0]  # [T, V]
+            return torch.cat([adapter.head(h[:, i : i + HEAD_ROWS], self.fused)[0].argmax(-1)
+                              for i in range(0, rows, HEAD_ROWS)])  # fmt: skip
+        return adapter.head(h, self.fused)[0]  # [T, V]
 
     @_exclusive
     def forward_train(
