@@ -12,7 +12,7 @@ from selfspec.core.sampling import GREEDY_SAMPLER
 from selfspec.cost.economy import VerifyCurve
 from selfspec.decoding.protocols import DraftOutcome
 from selfspec.decoding.trees import DraftTree
-from selfspec.drafters.hybrid import HybridDrafter
+from selfspec.drafters.hybrid import PAYS, HybridDrafter
 from selfspec.drafters.lookup import PromptLookupDrafter
 from selfspec.errors import InvalidInputError
 
@@ -107,15 +107,17 @@ def test_garbage_lookup_drafts_never_change_the_output(tiny_llama, monkeypatch):
     assert out.token_ids == base.token_ids
 
 
-def test_a_losing_layer_skip_source_sits_out_but_still_explores():
-    """It explores after EXPLORE_EVERY idle rounds, then after twice as many each time it still loses, capped."""
+@pytest.mark.parametrize("gain", [0.6, 1.02])  # losing time; only breaking even (below PAYS)
+def test_a_losing_layer_skip_source_sits_out_but_still_explores(gain):
+    """It explores after EXPLORE_EVERY idle rounds, then after twice as many each time it still loses, capped.
+    A source that only breaks even (gains below ``PAYS``) sits out as one that loses time."""
     from selfspec.drafters.hybrid import EXPLORE_EVERY, MAX_BACKOFF
 
     lookup = PromptLookupDrafter()
     lookup._costs = VerifyCurve(FlatProfile(0.1))
     layerskip = DeclineToDraft()
     hybrid = HybridDrafter(lookup, layerskip)
-    hybrid.skip_gain = 0.6  # its rounds have been earning 0.6 tokens per vanilla step
+    hybrid.skip_gain = gain  # what its rounds have been earning, in tokens per vanilla step
     history = list(range(100))  # no n-gram repeats: the lookup source has nothing
     waits = [EXPLORE_EVERY * min(2**i, MAX_BACKOFF) for i in range(6)]  # 16, 32, 64, 128, 128, 128
     explored_at = _explorations(hybrid, layerskip, history, sum(w + 1 for w in waits))
@@ -158,7 +160,7 @@ def test_a_head_only_rounds_gain_counts_the_whole_round_against_a_vanilla_step()
         hybrid._step_ms = step_ms  # (set by bind from the profile where the source has no economy)
         hybrid._source = "layerskip"
         hybrid.observe(drafted, [0, 1, 2, 3], tokens=4, round_ms=30.0, draft_ms=28.0, verify_ms=2.0)
-        assert hybrid.skip_gain == pytest.approx(0.8 + 0.2 * 4 * 10.0 / 30.0)
+        assert hybrid.skip_gain == pytest.approx(0.8 * PAYS + 0.2 * 4 * 10.0 / 30.0)  # from its start, PAYS
 
 
 

@@ -15,12 +15,12 @@ step is cheap next to a full one).  Each round:
    leaves out per-round costs and over-trusts short matches), is compared with
    the gain the layer-skip source has *measured* over its recent rounds (tokens
    per vanilla step's worth of round time, a running mean; it starts at
-   break-even);
+   ``PAYS``, 5% over break-even);
 3. the better source drafts.  The layer-skip source may still decline (its
    cost-aware exit drafts nothing where not even one token pays, as on a
    quantised model where a draft step costs about what a full one does), and
    the round then decodes plainly; once its measured gain is below
-   break-even it sits out all but one in ``EXPLORE_EVERY`` rounds.
+   ``PAYS`` it sits out all but one in ``EXPLORE_EVERY`` rounds.
 
 So a source whose drafts stop being accepted loses its gain and fades out;
 one that starts paying again is noticed (the lookup source re-prices every
@@ -46,6 +46,10 @@ EXPLORE_EVERY = 16  # a layer-skip source that loses time still drafts once in t
 MAX_BACKOFF = 8  # ... or, while its exploring rounds keep losing, in up to this many times as many
 SWITCH_STEPS = 1.0  # vanilla steps an early end of a layer-skip chain costs (its verification comes one round sooner)
 CALIBRATION_RANGE = (0.25, 2.0)  # one lookup round's measured / predicted gain, clamped (one outlier moves little)
+# the layer-skip source drafts (beyond its exploring rounds) while its measured gain is at least this: rounds that
+# only break even add the draft passes' variance and the round's Python for nothing (SmolLM2, whose 4-bit drafts
+# cost 0.6 of a step: gains of 0.9-1.1 per round, auto 3-8% below its n-gram source alone)
+PAYS = 1.05
 
 
 @dataclass
@@ -64,7 +68,7 @@ class HybridDrafter:
     def __init__(self, lookup: PromptLookupDrafter | SuffixDrafter, layerskip: LayerSkipDrafter) -> None:
         self.lookup, self.layerskip = lookup, layerskip
         layerskip.priced = True  # its rounds' gain is judged by measured costs, not the profile's (machines drift)
-        self.skip_gain = 1.0  # layer-skip rounds' measured tokens per vanilla step (1: break-even)
+        self.skip_gain = PAYS  # layer-skip rounds' measured tokens per vanilla step (1: break-even); drafts from PAYS
         # the lookup source's gains are predictions (its acceptance per n-gram size and the cost curve), the
         # layer-skip source's are measured: lookup rounds' measured / predicted gain puts them on one footing
         self.lookup_calibration = 1.0
@@ -111,11 +115,11 @@ class HybridDrafter:
         if outcome is not None and self.lookup.last_gain * self.lookup_calibration >= self.skip_gain:
             self._source, self._predicted = "lookup", self.lookup.last_gain
             return outcome
-        if self.skip_gain < 1.0 and self._idle < min(self._wait, EXPLORE_EVERY * MAX_BACKOFF):
+        if self.skip_gain < PAYS and self._idle < min(self._wait, EXPLORE_EVERY * MAX_BACKOFF):
             self._idle += 1  # layer-skip rounds have been losing time
             self._source = None
             return None
-        self._exploring = self.skip_gain < 1.0
+        self._exploring = self.skip_gain < PAYS
         self._idle = 0
         self._source = "layerskip"
         return self.layerskip.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler,
@@ -171,9 +175,9 @@ class HybridDrafter:
             self.lookup_calibration = (1 - SMOOTHING) * self.lookup_calibration + SMOOTHING * ratio
         if source == "layerskip":
             self.skip_gain = (1 - SMOOTHING) * self.skip_gain + SMOOTHING * gain
-            if self.skip_gain >= 1.0:
+            if self.skip_gain >= PAYS:
                 self._wait = EXPLORE_EVERY
-            elif exploring and gain < 1.0:
+            elif exploring and gain < PAYS:
                 self._wait = min(2 * self._wait, EXPLORE_EVERY * MAX_BACKOFF)
 
     def source_stats(self) -> dict[str, dict]:
