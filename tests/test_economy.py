@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -32,6 +34,12 @@ def test_profile_interpolates_and_predicts_draft_cost():
     assert prof.draft_step(SkipSet()) == pytest.approx(2.0 + 10 * 1.5)
     assert _profile(drafts={"same": DraftCosts(0.5, 1.0, 6.0, 1.0)}).draft_step(SkipSet()) == prof.forward(1)
     assert prof.draft_step(SkipSet.of([0, 1], [0])) == pytest.approx(2.0 + 8 * 0.5 + 9 * 1.0)
+    # the interpolation is memoised per size: asked again, the same value; a profile made from this one with
+    # other tables (dataclasses.replace) prices by its own, and serialises without the memo
+    assert prof.forward(3) == pytest.approx(21.0) and prof.forward(12) == pytest.approx(60.0)
+    slower = dataclasses.replace(prof, forward_ms={k: 2 * v for k, v in prof.forward_ms.items()})
+    assert slower.forward(3) == pytest.approx(42.0) and prof.forward(3) == pytest.approx(21.0)
+    assert CostProfile.from_dict(prof.to_dict()) == prof and "_forward_memo" not in prof.to_dict()
 
 
 def test_sublayer_costs_come_from_draft_passes_alone():
