@@ -484,6 +484,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     print(f"decoder layers: {paths['decoder_layers']}; prompt prefill products: {paths['prefill_dtype']}")
     if "low_bit_drafts" in paths:
         print(f"low-bit drafts: {paths['low_bit_drafts']}")
+    if "huge_pages" in paths:
+        print(f"memory pages: {paths['huge_pages']}")
     for tuned in model.native_tuning:
         print(f"kernel variant chosen by timing passes here{' (cached)' if tuned.cached else ''}: {tuned.describe()}")
     if model.quantization != "none":
@@ -600,6 +602,20 @@ def _quantized_bound(model, bandwidth_gbs: float | None = None) -> dict[str, flo
     return {"quantized_bytes": nbytes, "bandwidth_gbs": bandwidth_gbs, "quantized_bound_ms": bound_ms}
 
 
+def _huge_pages() -> dict[str, str]:
+    """Where the weights a pass streams live: 2 MB pages or 4 KB ones (core/hugepages.py); {} off Linux."""
+    from ..core import hugepages
+
+    setting, resident = hugepages.setting(), hugepages.resident_mb()
+    if setting is None or resident is None:
+        return {}
+    if hugepages.enabled():
+        return {"huge_pages": f"{resident:.0f} MB of this process on 2 MB pages (the weight copies the kernels "
+                              f"stream are advised for them; transparent huge pages: {setting})"}
+    why = (f"{hugepages.HUGE_PAGES_ENV}=0" if setting != "never" else "the system's setting is never")
+    return {"huge_pages": f"4 KB pages for the weight copies ({why}; {resident:.0f} MB on 2 MB pages)"}
+
+
 def _engine_paths(model) -> dict[str, str]:
     """Which code runs a decoding pass and which dtype the prompt's products use (quantised weights)."""
     engine = model.engine
@@ -622,7 +638,7 @@ def _engine_paths(model) -> dict[str, str]:
                 "split": " (bf16 dot products of exact 3-piece activation splits, prefill_gemm.c)",
                 "tiles": " (torch's GEMM on decoded weight tiles)",
             }[prefill_kernel()]
-    out = {"decoder_layers": layers, "prefill_dtype": prefill}
+    out = {"decoder_layers": layers, "prefill_dtype": prefill, **_huge_pages()}
     if engine.low_bit_drafts:
         own, low = engine.low_bit_bytes()
         out["low_bit_drafts"] = (f"a draft step in q4 (method lowbit, draft_dtype=q4) reads {low / 1e6:.0f} MB of "

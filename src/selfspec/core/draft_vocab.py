@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from . import hugepages
 from .heap import return_free_heap
 from .quant import QuantWeight, int8_activations, native, pack_x16
 
@@ -169,7 +170,8 @@ class DraftVocabulary:
         """The interleaved copy of every row, a few thousand rows at a time (``whole``: in one piece)."""
         step = self.capacity if whole else max(16, ADD_CHUNK // 16 * 16)
         rows = self._rows(0, min(step, self.capacity))
-        first, self._x16_form = rows.x16(), rows.x16_form  # (the form: bits, half scales)
+        with hugepages.temporaries():  # (the copy grows: a new one each time, not the model's lasting weights)
+            first, self._x16_form = rows.x16(), rows.x16_form  # (the form: bits, half scales)
         if step >= self.capacity:
             self._x16 = first
             return

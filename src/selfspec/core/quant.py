@@ -61,7 +61,7 @@ from torch import nn
 
 from ..errors import SelfspecError
 from ..io import cache_dir
-from . import kernels
+from . import hugepages, kernels
 
 SOURCE = Path(__file__).with_name("quant_kernels.c")
 SOURCES = (SOURCE, Path(__file__).with_name("fused_decoder.c"),  # one library: the fused layers call the products
@@ -636,7 +636,7 @@ class QuantWeight:
         packed = self.__dict__.get("_x16")
         if packed is None:
             self.__dict__["_x16_bits"] = self.x16_bits
-            packed = self.__dict__["_x16"] = pack_x16(self)
+            packed = self.__dict__["_x16"] = pack_x16(self, lasting=not hugepages.temporary())
         return packed
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -769,19 +769,21 @@ class QuantWeight:
         return w
 
 
-def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def pack_x16(w: QuantWeight, lasting: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``w`` interleaved 16 output rows at a time for ``int8_kernels.c`` (layout in that file's header): codes
     ``uint8 [out/16, groups, group/4, 16, 4]`` (q4: the form's own bytes reordered; q8: code + 128), scale and
     minimum ``fp32 [out/16, groups, 16]`` (q8: minimum - 128 * scale; None for a q8 weight without minima,
-    whose -128 * scale the kernel computes)."""
+    whose -128 * scale the kernel computes).  ``lasting``: the copy a model keeps (its tables on 2 MB pages where
+    the system gives them, :mod:`selfspec.core.hugepages`), not a temporary piece of one."""
     n, k, g = w.out_features, w.in_features, w.group
+    place = hugepages.lasting if lasting else np.ascontiguousarray
     groups = k // g
     j = 4 if w.fmt == "q4" else g // 4
     bits = w.x16_bits
     raw = w.codes.numpy().view(np.uint8).reshape(n // 16, 16, groups, j, 4)
     compact = bits in COMPACT_BYTES
-    codes = np.empty((n // 16, groups, COMPACT_BYTES[bits]) if compact else (n // 16, groups, j, 16, 4),
-                     dtype=np.uint8)  # fmt: skip
+    codes = (hugepages.empty if lasting else np.empty)(
+        (n // 16, groups, COMPACT_BYTES[bits]) if compact else (n // 16, groups, j, 16, 4), np.uint8)
     # a few MB of rows at a time: the copy of a 150k-row head (130 MB) never holds a whole temporary beside it
     step = max(1, (4 << 20) // max(1, 16 * groups * j * 4))
     for b in range(0, n // 16, step):
@@ -797,12 +799,11 @@ def pack_x16(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
         minv = minv - np.float32(128) * scale
     sub = w.__dict__.get("_sub")
     if sub is not None and _sub_scale_form(w, bits):
-        return torch.from_numpy(codes.reshape(-1)), _sub_table(sub[0], sub[1], g), (
-            None if sym else _sub_table(sub[2], sub[3], g))  # fmt: skip
+        return torch.from_numpy(codes.reshape(-1)), _sub_table(sub[0], sub[1], g, place), (
+            None if sym else _sub_table(sub[2], sub[3], g, place))  # fmt: skip
     tables = [t for t in (scale, minv) if t is not None]
     dtype = np.float16 if _half_scales(w, bits, sym) and all(_halves_exact(t) for t in tables) else np.float32
-    scale_out, minv_out = (None if t is None else torch.from_numpy(np.ascontiguousarray(t.transpose(0, 2, 1),
-                                                                                        dtype=dtype))
+    scale_out, minv_out = (None if t is None else torch.from_numpy(place(t.transpose(0, 2, 1).astype(dtype, order="C")))
                            for t in (scale, minv))  # fmt: skip
     return torch.from_numpy(codes.reshape(-1)), scale_out, minv_out
 
@@ -820,13 +821,13 @@ def _sub_scale_form(w: QuantWeight, bits: int) -> bool:
     return _SUB_SCALES and w.source in SUB_SCALE_TYPES and bits in (2, 3, 4, 5, 6, LUT4) and w.in_features % 256 == 0
 
 
-def _sub_table(small: np.ndarray, halves: np.ndarray, group: int) -> torch.Tensor:
+def _sub_table(small: np.ndarray, halves: np.ndarray, group: int, place=np.ascontiguousarray) -> torch.Tensor:
     """A K-quant's scales (or minima) as the kernels' sub-scale table, ``uint8 [out/16, groups * 16 + K/256 * 32]``:
     per block of 16 rows the signed bytes ``[groups][16]``, then the halves ``[K/256][16]`` (int8_kernels.c)."""
     n, groups = small.shape
     per = small.reshape(n // 16, 16, groups).transpose(0, 2, 1).reshape(n // 16, -1).view(np.uint8)
     wide = halves.reshape(n // 16, 16, -1).transpose(0, 2, 1).astype(np.float16).reshape(n // 16, -1).view(np.uint8)
-    return torch.from_numpy(np.concatenate([per, wide], axis=1))
+    return torch.from_numpy(place(np.concatenate([per, wide], axis=1)))
 
 
 def _x16_table(t: torch.Tensor, groups: int, group: int, in_features: int) -> np.ndarray:
@@ -1222,8 +1223,9 @@ def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight
         if whole and part[1].dtype != whole[1].dtype:  # one piece's scales not all halves: pack it whole instead
             return None
         per = [None if p is None else p.numel() // (rows // 16) for p in part]  # elements per block of 16 rows
-        if not whole:  # the outputs, allocated once
-            whole = [None if p is None else p.new_empty(m * (n // 16)) for p, m in zip(part, per, strict=True)]
+        if not whole:  # the outputs, allocated once (on 2 MB pages where the system gives them)
+            whole = [None if p is None else torch.from_numpy(hugepages.empty(m * (n // 16), p.numpy().dtype))
+                     for p, m in zip(part, per, strict=True)]  # fmt: skip
         for out, p, m in zip(whole, part, per, strict=True):
             if out is not None:
                 out[r0 // 16 * m : (r0 + rows) // 16 * m] = p.reshape(-1)

@@ -1,0 +1,97 @@
+"""Lasting weight copies on 2 MB pages (core/hugepages.py): arrays carved from advised mappings hold their values
+apart from each other, temporaries and small arrays stay on the heap, the switch and the system's setting are
+honoured, and a product reads the same numbers from either kind of memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_quant import random_blocks
+
+from selfspec.core import hugepages
+from selfspec.core.quant import activations, from_gguf, pack_x16
+
+
+def _on_mapping(a: np.ndarray) -> bool:
+    return hugepages.placed(a.ctypes.data)
+
+
+@pytest.fixture
+def placing(monkeypatch):
+    """Placement on, whatever this machine's setting (the mappings are advised; whether the kernel then backs
+    them with huge pages is its business, not what these tests check)."""
+    monkeypatch.setenv(hugepages.HUGE_PAGES_ENV, "1")
+    monkeypatch.setattr(hugepages, "setting", lambda: "madvise")
+    if not hugepages.enabled():
+        pytest.skip("Python's mmap has no MADV_HUGEPAGE here (not Linux)")
+
+
+@pytest.mark.usefixtures("placing")
+def test_placed_arrays_are_aligned_writable_and_do_not_overlap():
+    shapes = [(300_000,), (70, 5000), (hugepages.CHUNK // 4 + 7,)]  # the last needs a chunk of its own
+    arrays = [hugepages.empty(s, np.float32) for s in shapes]
+    for i, a in enumerate(arrays):
+        assert a.shape == shapes[i] and a.dtype == np.float32 and a.flags.writeable and a.flags.c_contiguous
+        assert _on_mapping(a)
+        assert a.ctypes.data % hugepages.ALIGN == 0
+        a[...] = i + 1
+    for i, a in enumerate(arrays):  # no array wrote over another
+        assert np.all(a == i + 1)
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+
+
+@pytest.mark.usefixtures("placing")
+def test_a_chunk_is_unmapped_once_none_of_its_arrays_is_left():
+    import gc
+
+    a = hugepages.empty((hugepages.CHUNK + hugepages.PAGE,), np.uint8)  # a chunk of its own, filled
+    b = hugepages.empty((1 << 20,), np.uint8)  # so in the next one
+    start = a.ctypes.data
+    assert hugepages.placed(start) and hugepages.placed(b.ctypes.data)
+    del a
+    gc.collect()
+    assert not hugepages.placed(start)  # nothing held it: unmapped, its pages back to the system
+    assert hugepages.placed(b.ctypes.data)
+
+
+@pytest.mark.usefixtures("placing")
+def test_small_arrays_and_a_disabled_switch_stay_on_the_heap(monkeypatch):
+    small = hugepages.empty((hugepages.MIN_BYTES // 4 - 1,), np.float32)
+    assert not _on_mapping(small)
+    monkeypatch.setenv(hugepages.HUGE_PAGES_ENV, "0")
+    assert not hugepages.enabled()
+    assert not _on_mapping(hugepages.empty((1 << 20,), np.uint8))
+    monkeypatch.setenv(hugepages.HUGE_PAGES_ENV, "1")
+    monkeypatch.setattr(hugepages, "setting", lambda: "never")  # the system gives none: nothing to ask for
+    assert not hugepages.enabled()
+
+
+def test_the_system_setting_is_read_from_its_brackets(tmp_path, monkeypatch):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    monkeypatch.setattr(hugepages, "THP_SETTING", f)
+    assert hugepages.setting() == "madvise"
+    f.write_text("[never]\n")
+    assert hugepages.setting() == "never"
+    monkeypatch.setattr(hugepages, "THP_SETTING", tmp_path / "missing")
+    assert hugepages.setting() is None
+
+
+@pytest.mark.usefixtures("placing")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_0"])
+def test_a_lasting_copy_is_placed_and_computes_the_same_numbers(kind):
+    qw = from_gguf(kind, random_blocks(kind, 1024, 512, seed=3), 1024, 512)
+    heap, placed = pack_x16(qw), pack_x16(qw, lasting=True)
+    assert _on_mapping(placed[0].numpy()) and not _on_mapping(heap[0].numpy())
+    for a, b in zip(heap, placed, strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    with activations("int8"):
+        ref = qw.matmul(x)  # the weight's own copy (made lasting by x16(), outside temporaries())
+        assert _on_mapping(qw.x16()[0].numpy())
+        other = from_gguf(kind, random_blocks(kind, 1024, 512, seed=3), 1024, 512)
+        with hugepages.temporaries():
+            assert not _on_mapping(other.x16()[0].numpy())  # a temporary piece stays on the heap
+        assert torch.equal(other.matmul(x), ref)
