@@ -95,3 +95,28 @@ def test_a_lasting_copy_is_placed_and_computes_the_same_numbers(kind):
         with hugepages.temporaries():
             assert not _on_mapping(other.x16()[0].numpy())  # a temporary piece stays on the heap
         assert torch.equal(other.matmul(x), ref)
+
+
+@pytest.mark.usefixtures("placing")
+def test_the_draft_vocabularys_copy_is_placed_alone_and_let_go_as_it_grows():
+    import gc
+
+    from selfspec.core.draft_vocab import DraftVocabulary
+    from selfspec.core.quant import quantize_weight
+
+    head = quantize_weight(torch.randn(6000, 256, generator=torch.Generator().manual_seed(0)), 8)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
+    with activations("int8"):
+        vocab = DraftVocabulary(head, base=100)
+        vocab.add(torch.arange(100, 200))
+        assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
+        first, capacity = vocab._x16[0], vocab.capacity
+        assert hugepages.placed(first.data_ptr())
+        gc.collect()
+        mapped = len(hugepages._spans)
+        del first
+        vocab.add(torch.arange(1000, 2500))  # past its capacity: a new copy, the old one's mappings unmapped
+        assert vocab.capacity > capacity
+        assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
+        gc.collect()
+        assert hugepages.placed(vocab._x16[0].data_ptr()) and len(hugepages._spans) == mapped

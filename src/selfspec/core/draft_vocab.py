@@ -172,15 +172,18 @@ class DraftVocabulary:
         rows = self._rows(0, min(step, self.capacity))
         with hugepages.temporaries():  # (the copy grows: a new one each time, not the model's lasting weights)
             first, self._x16_form = rows.x16(), rows.x16_form  # (the form: bits, half scales)
-        if step >= self.capacity:
-            self._x16 = first
-            return
-        per = [None if t is None else t.numel() // (step // 16) for t in first]  # elements per block of 16 rows
-        self._x16 = tuple(None if t is None else t.new_empty(m * (self.capacity // 16))
+        made = min(step, self.capacity) // 16  # blocks of 16 rows in the first piece
+        per = [None if t is None else t.numel() // made for t in first]  # elements per block of 16 rows
+        # read by every draft step: on 2 MB pages where the system gives them, each table in a mapping of its own
+        # (unmapped when the subset outgrows it, core/hugepages.py)
+        self._x16 = tuple(None if t is None else torch.from_numpy(hugepages.empty(m * (self.capacity // 16),
+                                                                                  t.numpy().dtype, alone=True))
                           for t, m in zip(first, per, strict=True))  # fmt: skip
         for out, t, m in zip(self._x16, first, per, strict=True):
             if out is not None:
-                out[: m * (step // 16)] = t.reshape(-1)
+                out[: m * made] = t.reshape(-1)
+        if step >= self.capacity:
+            return
         for b0 in range(step // 16, self.capacity // 16, step // 16):
             if not self._pack_blocks(b0, min(b0 + step // 16, self.capacity // 16)):
                 return

@@ -79,13 +79,17 @@ def placed(address: int) -> bool:
     return any(start <= address < end for start, end in list(_spans.items()))
 
 
-def empty(shape, dtype) -> np.ndarray:
-    """An uninitialised array for a lasting buffer: on 2 MB pages where :func:`enabled`, else ``numpy.empty``."""
+def empty(shape, dtype, *, alone: bool = False) -> np.ndarray:
+    """An uninitialised array for a lasting buffer: on 2 MB pages where :func:`enabled`, else ``numpy.empty``.
+    ``alone``: in a mapping of its own, unmapped as soon as the array goes (a buffer replaced as it grows)."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
     nbytes = count * dtype.itemsize
     if nbytes < MIN_BYTES or not enabled():
         return np.empty(shape, dtype=dtype)
+    if alone:
+        m = _new_chunk(-(-nbytes // PAGE) * PAGE)
+        return np.frombuffer(m, dtype=dtype, count=count).reshape(shape)
     with _lock:
         m, used = _chunk["ref"] and _chunk["ref"](), -(-_chunk["used"] // ALIGN) * ALIGN
         if m is None or used + nbytes > _chunk["size"]:
