@@ -54,6 +54,23 @@ def test_a_lookup_source_whose_drafts_are_rejected_fades_out():
     assert layerskip.calls >= 20, "the other source gets the rounds"
 
 
+def test_the_lookup_calibration_is_a_ratio_of_running_sums_not_a_mean_of_ratios():
+    """Lookup rounds whose predictions swing (1 and 3) around what they earn (2, every round): the calibration
+    is measured / predicted over the recent rounds, 1.0, where a running mean of each round's ratio (2 and 2/3)
+    would read 1.33 and make the source look better than it is."""
+    drafted = DraftOutcome(DraftTree.chain(4, [1, 2]), [0.9] * 2, {}, 2)
+    hybrid = HybridDrafter(DeclineToDraft(), DeclineToDraft())
+    hybrid._step_ms = 1.0
+    for r in range(200):
+        hybrid._source, hybrid._predicted = "lookup", (1.0 if r % 2 else 3.0)
+        hybrid.observe(drafted, [4, 1], tokens=2, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)  # gain 2 each
+    assert hybrid.lookup_calibration == pytest.approx(1.0, abs=0.06)
+    for _ in range(60):  # then predictions twice too hopeful: it follows
+        hybrid._source, hybrid._predicted = "lookup", 4.0
+        hybrid.observe(drafted, [4, 1], tokens=2, round_ms=1.0, draft_ms=0.0, verify_ms=1.0)
+    assert hybrid.lookup_calibration == pytest.approx(0.5, abs=0.02)
+
+
 def test_the_measured_gain_of_layer_skip_rounds_decides_against_a_weak_lookup():
     lookup = PromptLookupDrafter(max_ngram=3)  # short matches only: a modest expected gain
     lookup._costs = VerifyCurve(FlatProfile(0.02))

@@ -10,9 +10,11 @@ step is cheap next to a full one).  Each round:
 1. the lookup source looks for a match; its own pricing proposes the draft
    length with the best expected tokens per unit of verification cost (none
    where no length pays), from the acceptance it has observed per n-gram size;
-2. that expected gain (in tokens per vanilla step), times the running mean of
-   its rounds' measured / predicted gain (the calibration: the prediction
-   leaves out per-round costs and over-trusts short matches), is compared with
+2. that expected gain (in tokens per vanilla step), times its rounds' measured
+   gain over their predicted gain, each a running sum (the calibration: the
+   prediction leaves out per-round costs and over-trusts short matches; a
+   running mean of each round's ratio would be biased up by rounds predicted
+   low), is compared with
    the gain the layer-skip source has *measured* over its recent rounds (tokens
    per vanilla step's worth of round time, a running mean; it starts at
    ``PAYS``, 5% over break-even);
@@ -45,7 +47,9 @@ SMOOTHING = 0.2  # weight of the newest round in the layer-skip source's measure
 EXPLORE_EVERY = 16  # a layer-skip source that loses time still drafts once in this many rounds it could have
 MAX_BACKOFF = 8  # ... or, while its exploring rounds keep losing, in up to this many times as many
 SWITCH_STEPS = 1.0  # vanilla steps an early end of a layer-skip chain costs (its verification comes one round sooner)
-CALIBRATION_RANGE = (0.25, 2.0)  # one lookup round's measured / predicted gain, clamped (one outlier moves little)
+CALIBRATION_WEIGHT = 0.1  # weight of the newest lookup round in the calibration's two running sums
+CALIBRATION_PRIOR = 1.0  # both sums start here: one pseudo-round predicted as it turned out
+CALIBRATION_RANGE = (0.25, 2.0)  # the calibration's bounds
 # the layer-skip source drafts (beyond its exploring rounds) while its measured gain is at least this: rounds that
 # only break even add the draft passes' variance and the round's Python for nothing (SmolLM2, whose 4-bit drafts
 # cost 0.6 of a step: gains of 0.9-1.1 per round, auto 3-8% below its n-gram source alone)
@@ -72,6 +76,7 @@ class HybridDrafter:
         # the lookup source's gains are predictions (its acceptance per n-gram size and the cost curve), the
         # layer-skip source's are measured: lookup rounds' measured / predicted gain puts them on one footing
         self.lookup_calibration = 1.0
+        self._measured_sum = self._predicted_sum = CALIBRATION_PRIOR  # running sums behind the calibration
         self._predicted = 0.0  # the lookup gain predicted for the current round
         self._step_ms: float | None = None  # a vanilla step by the cost profile, where the source has no economy
         self._source: str | None = None
@@ -171,8 +176,10 @@ class HybridDrafter:
             step_ms = econ.verify_ms(1) if econ is not None else self._step_ms or verify_ms
             gain = tokens * step_ms / max(draft_ms + verify_ms, 1e-6)
         if source == "lookup" and 0 < self._predicted < float("inf"):
-            ratio = min(max(gain / self._predicted, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
-            self.lookup_calibration = (1 - SMOOTHING) * self.lookup_calibration + SMOOTHING * ratio
+            self._measured_sum = (1 - CALIBRATION_WEIGHT) * self._measured_sum + CALIBRATION_WEIGHT * gain
+            self._predicted_sum = (1 - CALIBRATION_WEIGHT) * self._predicted_sum + CALIBRATION_WEIGHT * self._predicted
+            ratio = self._measured_sum / self._predicted_sum
+            self.lookup_calibration = min(max(ratio, CALIBRATION_RANGE[0]), CALIBRATION_RANGE[1])
         if source == "layerskip":
             self.skip_gain = (1 - SMOOTHING) * self.skip_gain + SMOOTHING * gain
             if self.skip_gain >= PAYS:
