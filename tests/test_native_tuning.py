@@ -100,6 +100,29 @@ def test_a_loaded_model_reports_its_tuned_variants(smollm2):
         assert split.choice in native_tuning.SPLIT_CANDIDATES and "int8_split =" in split.describe()
 
 
+def test_steady_load_from_elsewhere_keeps_the_default_too(monkeypatch):
+    """Timings that do not swing but were taken while other processes held our CPUs (clock.OtherLoad) decide
+    nothing either: the default holds and nothing is cached."""
+    from selfspec.core import clock
+
+    class Loaded(clock.OtherLoad):
+        def __exit__(self, *exc):
+            self.cores = 1.0
+
+    monkeypatch.setattr(clock, "OtherLoad", Loaded)
+    state: dict = {}
+
+    def apply(value: int) -> None:
+        state["value"] = value
+
+    def time_pass() -> float:
+        return (0.5 if state["value"] == 0 else 1.0) / 1000
+
+    first = tune("t", (0, 4096), 4096, apply, time_pass, key="k4")
+    assert first.busy and first.choice == 4096
+    assert not tune("t", (0, 4096), 4096, apply, time_pass, key="k4").cached
+
+
 def test_a_busy_machine_keeps_the_default_and_caches_nothing():
     """Timings that swing (another process ran) decide nothing: the default holds and the next call times again."""
     state: dict = {}

@@ -85,6 +85,7 @@ class CostProfile:
     num_layers: int
     head_ms: dict[int, float] = field(default_factory=dict)  # T -> ms of the full head over T rows (may be empty)
     spread: float = 1.0  # median upper / lower quartile of the full passes' timings (past BUSY_SPREAD: busy)
+    others: float = 0.0  # cores' worth of our CPUs other work took while measuring (past BUSY_OTHERS: busy)
 
     def forward(self, tokens: int) -> float:
         """ms of a full-model pass over ``tokens`` new tokens (linear interpolation, extrapolated past 64).
@@ -268,10 +269,11 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
         model.adapter.release_draft_copies(PRECISIONS[best])  # keep only the copy "auto" uses
         if best != "q4":
             model.engine.release_low_bit()
-        if prof.spread > clock.BUSY_SPREAD:  # other work took the cores: kept for this process only
-            print(f"selfspec: the machine was busy while measuring (timings of one pass {prof.spread:.1f}x apart "
-                  "between quartiles); these costs are not saved and are measured again next time",
-                  file=sys.stderr)  # fmt: skip
+        if prof.spread > clock.BUSY_SPREAD or prof.others > clock.BUSY_OTHERS:  # kept for this process only
+            why = (f"timings of one pass {prof.spread:.1f}x apart between quartiles" if prof.spread > clock.BUSY_SPREAD
+                   else f"other work took {prof.others:.1f} cores' worth of its CPUs")  # fmt: skip
+            print(f"selfspec: the machine was busy while measuring ({why}); these costs are not saved and are "
+                  "measured again next time", file=sys.stderr)  # fmt: skip
         elif cache:
             atomic_write_text(path, json.dumps(prof.to_dict(), indent=1) + "\n")
     _MEMORY[key] = prof
@@ -329,6 +331,7 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
         configs[f"{name}/no-layers"] = (1, SkipSet.of(range(L), range(L)), dtype)
     times: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
+    load = clock.OtherLoad().__enter__()  # steady load from elsewhere slows every timing alike: watched apart
     for rep in range(reps + 1):  # the first sweep warms up (and makes the low-precision copies); discarded
         gen.shuffle(names)  # interleaved: machine drift hits every configuration alike
         for name in names:
@@ -345,6 +348,8 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
             if rep:
                 times[name].append(1000 * (time.perf_counter() - t0))
 
+    load.__exit__(None, None, None)
+
     def q1(name: str) -> float:
         return statistics.quantiles(times[name], n=4)[0] if len(times[name]) > 1 else times[name][0]
 
@@ -359,7 +364,7 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     # the passes' freed [T, V] logits (60-80 MB on a 152k vocabulary) given back once timed: trimming between
     # passes would make a pass pay the first touch of pages that decoding's passes find in the heap
     return_free_heap()
-    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread)
+    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread, round(load.cores, 3))
 
 
 def fitted(prof: CostProfile, model) -> CostProfile | None:
