@@ -3,10 +3,11 @@
 A one-token step reads every weight once, a few hundred MB in long runs.  On 4 KB pages that stream crosses a
 page every 64 cache lines: each crossing is a TLB miss (a page walk), and the hardware prefetchers stop at page
 boundaries.  Linux backs anonymous memory with 2 MB pages (transparent huge pages) only where the process asks
-(``madvise``, the default setting of many distributions: Debian, Ubuntu, Fedora) or everywhere (``always``); numpy's
-and torch's buffers never ask.  Measured on a 2-core AMD EPYC (Zen 4) VM with the setting ``madvise``, within one
-process (the same product alternating between two copies of its weight): Qwen2.5-Coder 0.5B's 136 MB int8 head
-4.85 -> 4.36 ms and 3.26 -> 2.81 ms in a faster spell of the VM (10-16%).
+(``madvise``, the default setting of many distributions: Debian, Ubuntu, Fedora) or everywhere (``always``);
+torch's buffers never ask, numpy's only for arrays of 4 MB or more, and a layer's weights are 0.1-4 MB each.
+Measured on a 2-core AMD EPYC (Zen 4) VM with the setting ``madvise``, within one process (the same product
+alternating between two copies of its weight): Qwen2.5-Coder 0.5B's 136 MB int8 head 4.85 -> 4.36 ms, and
+3.26 -> 2.81 ms in a faster spell of the VM (10-16%).
 
 :func:`empty` gives arrays carved from large private anonymous mappings (:data:`CHUNK` bytes of address space
 each) advised ``MADV_HUGEPAGE`` before any page is touched, so every whole 2 MB of them the kernel can back with a
