@@ -331,24 +331,22 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
         configs[f"{name}/no-layers"] = (1, SkipSet.of(range(L), range(L)), dtype)
     times: dict[str, list[float]] = {name: [] for name in configs}
     names = list(configs)
-    load = clock.OtherLoad().__enter__()  # steady load from elsewhere slows every timing alike: watched apart
-    for rep in range(reps + 1):  # the first sweep warms up (and makes the low-precision copies); discarded
-        gen.shuffle(names)  # interleaved: machine drift hits every configuration alike
-        for name in names:
-            T, skip, dtype = configs[name]
-            ids = torch.tensor([gen.randrange(vocab) for _ in range(T)], device=engine.device)
-            _sync(engine.device)
-            t0 = time.perf_counter()
-            if name.startswith("H"):
-                _head_check(engine, hidden[0][:, :T])
-            else:
-                _profiled_pass(engine, cache, ids, context, verification=name.startswith("T"), skip=skip,
-                               dtype=dtype)  # fmt: skip
-            _sync(engine.device)
-            if rep:
-                times[name].append(1000 * (time.perf_counter() - t0))
-
-    load.__exit__(None, None, None)
+    with clock.OtherLoad() as load:  # steady load from elsewhere slows every timing alike: watched apart
+        for rep in range(reps + 1):  # the first sweep warms up (and makes the low-precision copies); discarded
+            gen.shuffle(names)  # interleaved: machine drift hits every configuration alike
+            for name in names:
+                T, skip, dtype = configs[name]
+                ids = torch.tensor([gen.randrange(vocab) for _ in range(T)], device=engine.device)
+                _sync(engine.device)
+                t0 = time.perf_counter()
+                if name.startswith("H"):
+                    _head_check(engine, hidden[0][:, :T])
+                else:
+                    _profiled_pass(engine, cache, ids, context, verification=name.startswith("T"), skip=skip,
+                                   dtype=dtype)  # fmt: skip
+                _sync(engine.device)
+                if rep:
+                    times[name].append(1000 * (time.perf_counter() - t0))
 
     def q1(name: str) -> float:
         return statistics.quantiles(times[name], n=4)[0] if len(times[name]) > 1 else times[name][0]
