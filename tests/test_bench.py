@@ -486,3 +486,71 @@ def test_prompts_with_a_structure_are_held_to_it_and_judged_lossless(model, tmp_
     shipped = load_prompts("structured")
     assert len(shipped) == 12 and all(item.structure[0] == "json_schema" for item in shipped)
     assert {item.task for item in shipped} == {"extraction", "generation", "classification", "code"}
+
+
+# -- the simulated clock (--simulated) ------------------------------------------------------------
+
+
+def test_a_simulated_run_gives_the_same_times_in_every_repeat(model):
+    """Timed by a cost profile, a run's figures depend on the tokens alone: two runs agree to the last bit, and
+    every method's outputs are still vanilla's."""
+    from selfspec.cost.costs import read_bound_profile
+
+    profile = read_bound_profile(model)
+    runs = [run_benchmark(model, PROMPTS[:2], "pld,asd:preset=paper@asd", max_new_tokens=16, warmup=0,
+                          simulated=profile, simulated_name="read-bound") for _ in range(2)]  # fmt: skip
+    first, second = ([(r.method, r.prompt_id, r.time) for r in run.records] for run in runs)
+    assert first == second
+    assert all(t > 0 for _, _, t in first)
+    assert runs[0].clock == "simulated: read-bound"
+    summary = summarize(runs[0])
+    assert summary.lossy == () and summary.config["clock"] == "simulated: read-bound"
+    # the figures are the profile's: vanilla's time is its passes' cost (a prefill, then one pass a token)
+    vanilla = next(r for r in runs[0].records if r.method == "vanilla")
+    assert vanilla.time * 1000 >= (len(vanilla.token_ids) - 1) * profile.forward(1)
+
+
+def test_a_simulated_run_refuses_peers_and_profiles_of_another_depth(model):
+    from selfspec.cost.costs import read_bound_profile
+
+    with pytest.raises(InvalidInputError, match="leave out the peers"):
+        run_benchmark(model, PROMPTS[:1], "asd,hf", max_new_tokens=4, warmup=0, simulated=read_bound_profile(model))
+    other = read_bound_profile(tiny_model("llama", num_hidden_layers=model.num_layers + 2))
+    with pytest.raises(InvalidInputError, match=f"with {model.num_layers + 2} layers"):
+        run_benchmark(model, PROMPTS[:1], "asd", max_new_tokens=4, warmup=0, simulated=other)
+
+
+def test_cli_bench_simulated_writes_its_profile_and_replays_it(cli_on_tiny, tmp_path, capsys):
+    """--simulated read-bound writes the costs it ran on; --simulated FILE replays them: the same times."""
+    first, again = tmp_path / "first", tmp_path / "again"
+    args = ("--dataset", str(cli_on_tiny), "--limit", "2", "--methods", "pld", "--json")
+    assert _bench(*args, "--simulated", "read-bound", "--out", str(first)) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["config"]["clock"].startswith("simulated: ") and "--simulated read-bound" in summary["config"]["command"]
+    assert (first / "profile.json").is_file() and "**clock** simulated" in (first / "report.md").read_text()
+    assert _bench(*args, "--simulated", str(first / "profile.json"), "--out", str(again)) == 0
+    times = [[json.loads(line)["time"] for line in (d / "results.jsonl").read_text().splitlines()]
+             for d in (first, again)]  # fmt: skip
+    assert times[0] == times[1] and all(t > 0 for t in times[0])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--simulated", "/nonexistent/profile.json"], "cannot read it"),
+        (["--simulated", "read-bound", "--methods", "asd,hf"], "leave out the peers"),
+        (["--simulated", "--clients", "2"], "--simulated times single runs"),
+        (["--simulated", "read-bound", "--turns", "2"], "--simulated times single runs"),
+    ],
+)
+def test_cli_bench_simulated_bad_input_is_one_line(cli_on_tiny, extra, message, capsys):
+    assert _bench("--dataset", str(cli_on_tiny), "--limit", "1", *extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_bench_simulated_refuses_a_file_that_is_no_profile(cli_on_tiny, tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"version": 1}')
+    assert _bench("--dataset", str(cli_on_tiny), "--limit", "1", "--simulated", str(bad)) == 2
+    assert "not a cost profile of this version" in capsys.readouterr().err

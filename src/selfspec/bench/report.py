@@ -144,6 +144,8 @@ def header_line(config: dict[str, Any]) -> str:
         f"**model** {config.get('model')} · **dataset** {data} · **limit** {config.get('limit', config.get('prompts'))}"
         f" · **max_new_tokens** {config.get('max_new_tokens')} · **decoding** {sampling_text(config)}"
         f" · **machine** {machine} · **date** {config.get('date', '?')}"
+        + (f" · **clock** {config['clock']} (times are the profile's costs of the passes made)"
+           if config.get("clock", "real") != "real" else "")  # fmt: skip
     )
 
 
@@ -410,6 +412,8 @@ def print_summary(summary: BenchSummary, console=None) -> None:
         cfg = summary.config
         where = task or cfg.get("dataset") or "stream"
         title = f"{cfg.get('model')} · {where} · {cfg.get('max_new_tokens')} new tokens · {sampling_text(cfg)}"
+        if cfg.get("clock", "real") != "real":
+            title += f" · {cfg['clock']}"
         table = Table(title=escape(title))
         for i in keep:
             table.add_column(columns[i], justify="left" if i == 0 else "right")

@@ -14,7 +14,12 @@ Fairness rules, as in gpt-fast's benchmark loop:
    method learns (Draft & Verify's gamma) carries over between prompts, as in
    the papers;
 5. the time of a record is the wall time of the whole call (tokenisation
-   included) for ours and the peers alike.
+   included) for ours and the peers alike; or, with ``simulated`` (CLI
+   ``--simulated``), the time a given cost profile says the call's passes take
+   (:func:`selfspec.core.clock.simulated`): every decision reads those costs and
+   a virtual clock, so a run gives the same figures on every machine and in every
+   repeat, and what a method does on another machine's costs can be replayed
+   here (ours only; a peer runs outside our engine and is refused).
 
 Every output is compared with vanilla's on the same prompt: greedy decoding
 must be token-identical, or the method is lossy.  So must coupled sampling
@@ -30,6 +35,7 @@ skipped for the remaining prompts).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import sys
@@ -41,7 +47,7 @@ from typing import Any
 import torch
 
 from ..api import Session
-from ..core import quant
+from ..core import clock, quant
 from ..core.sampling import GREEDY, SamplingParams
 from ..datasets import PromptItem
 from ..decoding import grammar as grammars
@@ -95,6 +101,7 @@ class BenchResult:
     sampling: SamplingParams = GREEDY
     # per prompt, the prefill's per-sublayer cosine when no method measured it (None otherwise)
     cosine: tuple[dict[str, list[float]], ...] | None = None
+    clock: str = "real"  # what the records' times are: "real" (wall time) or the simulated clock's source
 
     @property
     def baseline(self) -> BenchMethod:
@@ -114,8 +121,9 @@ def _comparable(ours: SamplingParams, vanilla: SamplingParams) -> bool:
 
 class _Runner:
     def __init__(self, model: Model, methods: Sequence[BenchMethod], max_new_tokens: int,
-                 sampling: SamplingParams) -> None:  # fmt: skip
+                 sampling: SamplingParams, timer: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
         self.model = model
+        self.timer = timer  # the records' clock: wall time, or the simulated clock's (clock.now)
         self.sampling = sampling
         self.methods = methods
         self.max_new_tokens = max_new_tokens
@@ -172,7 +180,7 @@ class _Runner:
         self.own_vocabulary(method)
         gc.collect()  # not inside the timed region: a collection there would bill one method at random
         self.memory.start()
-        t0 = time.perf_counter()
+        t0 = self.timer()
         try:
             grammar = None if item.structure is None else grammars.of(*item.structure)
             tokens, text, stats = self.call(method, session, item.prompt, index, grammar)
@@ -180,7 +188,7 @@ class _Runner:
         except Exception as exc:  # a failing method must not end the whole run
             tokens, text, stats = (), "", None
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
-        elapsed = time.perf_counter() - t0
+        elapsed = self.timer() - t0
         mem = self.memory.stop()
         if self.drafts_with_vocabulary(method):
             self.learned[method.label] = self.vocab.learned()
@@ -266,6 +274,8 @@ def run_benchmark(
     measure_cosine: bool = True,
     on_progress: ProgressFn | None = None,
     sampling: SamplingParams = GREEDY,
+    simulated: Any = None,
+    simulated_name: str | None = None,
 ) -> BenchResult:
     """Run ``methods`` (a ``--methods`` string or a list) on ``prompts``; vanilla is added if absent.
 
@@ -274,21 +284,27 @@ def run_benchmark(
     bar on stderr; ``on_progress(done, total, label)`` is called after every
     generation.  ``sampling`` (default greedy) applies to every method and
     peer; under sampling no output is compared with vanilla's.  With ``measure_cosine`` and no method that measured the
-    per-sublayer cosine itself, one untimed prefill per prompt measures it.
+    per-sublayer cosine itself, one untimed prefill per prompt measures it.  ``simulated``: a
+    :class:`~selfspec.cost.costs.CostProfile` (or a function making one from the model, as
+    :func:`~selfspec.cost.costs.read_bound_profile`) whose costs time the run and every decision in it, instead of
+    this machine's clock (``simulated_name``: what the report calls it).
     """
     specs = _runnable_methods(model, prompts, methods, max_new_tokens)
+    if simulated is not None:
+        _check_simulated(model, specs, simulated)
     if threads is not None:
         torch.set_num_threads(threads)
-    runner = _Runner(model, specs, max_new_tokens, sampling)
+    runner = _Runner(model, specs, max_new_tokens, sampling, time.perf_counter if simulated is None else clock.now)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(prompts) * len(specs), file=sys.stderr, unit="gen", dynamic_ncols=True, leave=True)
-    # 1. warm-up, discarded
-    runner.warm_up(prompts[: max(0, warmup)], bar)
-    # 2. the timed run, each prompt's outputs compared with the baseline's
-    records = runner.timed_run(prompts, bar, on_progress)
+    with clock.simulated(simulated) if simulated is not None else contextlib.nullcontext():
+        # 1. warm-up, discarded
+        runner.warm_up(prompts[: max(0, warmup)], bar)
+        # 2. the timed run, each prompt's outputs compared with the baseline's
+        records = runner.timed_run(prompts, bar, on_progress)
     if bar is not None:
         bar.close()
     # 3. the per-sublayer cosine, untimed, when no method measured it
@@ -307,7 +323,53 @@ def run_benchmark(
         memory_probe=runner.memory.method,
         sampling=sampling,
         cosine=cosine,
+        clock="real" if simulated is None else f"simulated: {simulated_name or 'a given cost profile'}",
     )
+
+
+SIMULATED_HERE, SIMULATED_READ_BOUND = "here", "read-bound"  # --simulated's named sources (else a profile file)
+
+
+def simulated_costs(model: Model, source: str) -> tuple[Any, str]:
+    """The cost profile a ``--simulated`` run takes, and how the report names it: ``here``, this machine's
+    (measured once and cached, as every method prices with); ``read-bound``, the idealised machine of
+    :func:`~selfspec.cost.costs.read_bound_profile` (the same on every CPU: each pass costs its weights' bytes);
+    else a profile file, as a simulated run writes one beside its report (``profile.json``)."""
+    import json
+    from pathlib import Path
+
+    from ..cost import costs
+
+    if source == SIMULATED_HERE:
+        return costs.cost_profile(model), "the costs measured on this machine"
+    if source == SIMULATED_READ_BOUND:
+        return costs.read_bound_profile(model), "a pass costs its weights' read (read-bound profile)"
+    path = Path(source)
+    try:
+        profile = costs.CostProfile.from_dict(json.loads(path.read_text()))
+    except OSError as exc:
+        raise InvalidInputError(f"--simulated {source}: cannot read it ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise InvalidInputError(f"--simulated {source}: not a cost profile of this version (write one with "
+                                f"--simulated {SIMULATED_HERE}, which saves profile.json beside the report)") from None
+    fitted = costs.fitted(profile, model)
+    if fitted is None:
+        raise InvalidInputError(f"--simulated {source}: the profile has no costs for a draft precision "
+                                f"{model.name} offers ({', '.join(costs.draft_precisions(model))})")  # fmt: skip
+    return fitted, f"the costs in {path.name}"
+
+
+def _check_simulated(model: Model, specs: Sequence[BenchMethod], profile: Any) -> None:
+    """A simulated run's methods and profile: ours only (a peer's passes are not our engine's, nothing prices them),
+    and a profile of the model's depth."""
+    peers = [m.label for m in specs if m.is_peer]
+    if peers:
+        raise InvalidInputError(f"a simulated clock prices our engine's passes only; leave out the peers "
+                                f"({', '.join(peers)})")  # fmt: skip
+    layers = getattr(profile, "num_layers", None)
+    if layers is not None and layers != model.num_layers:
+        raise InvalidInputError(f"the cost profile is of a model with {layers} layers; {model.name} has "
+                                f"{model.num_layers}")  # fmt: skip
 
 
 def _runnable_methods(model: Model, prompts: Sequence[PromptItem], methods: str | Sequence[BenchMethod | str],

@@ -364,6 +364,7 @@ def summarize(
         "methods": [m.to_dict() for m in result.methods],
         "baseline": result.baseline.label,
         "sampling": None if result.sampling.greedy and not result.sampling.penalised else asdict(result.sampling),
+        "clock": result.clock,
         **(meta or {}),
     }
     return BenchSummary(

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from datetime import datetime
@@ -81,6 +82,11 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch.set_num_threads for the whole run (default: torch's)")
     p.add_argument("--window", type=int, default=5, help="rolling window of the stream acceptance plot (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--simulated", nargs="?", const="here", metavar="PROFILE",
+                   help="time the run, and every decision in it, by a cost profile's costs of the passes made instead "
+                   "of the wall clock: the same figures in every repeat and on every machine (ours only, no peers). "
+                   "'here' (the default with no value): this machine's measured costs; 'read-bound': each pass costs "
+                   "its weights' read; or a profile.json that an earlier simulated run wrote")
     p.add_argument("--llama-cpp", metavar="PATH",
                    help="llama-server binary (or its folder) for the llamacpp peer (default: PATH)")
     p.set_defaults(func=cmd_bench)
@@ -112,6 +118,8 @@ def _command_line(args: argparse.Namespace) -> str:
         argv += ["--quantize", args.quantize]
     if args.llama_cpp:
         argv += ["--llama-cpp", args.llama_cpp]
+    if args.simulated:
+        argv += ["--simulated", args.simulated]
     return shlex.join(argv)
 
 
@@ -154,7 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ..bench.report import dumps, print_summary, warn_lossy, write_outputs
-    from ..bench.runner import run_benchmark
+    from ..bench.runner import run_benchmark, simulated_costs
     from ..bench.spec import parse_methods
     from ..bench.summary import summarize
     from ..bench.system import machine_info
@@ -172,6 +180,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench.llamacpp import ENV
 
         os.environ[ENV] = args.llama_cpp  # where the llamacpp peer looks first (after its own bin= option)
+    if args.simulated and (args.turns == 2 or args.clients):
+        raise InvalidInputError("--simulated times single runs of our methods; --turns 2 and --clients use the wall "
+                                "clock (time to first token, a server's load)")  # fmt: skip
     if args.turns == 2:
         return _bench_turns(args, methods, names, started, out_dir, console)
     if args.clients:
@@ -180,9 +191,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     chat = model.has_chat_template
     prompts = [p for name in names for p in load_prompts(name, limit=args.limit, chat=chat, offset=args.offset,
                                                          categories=_categories(args, name))]  # fmt: skip
+    profile, clock_name = simulated_costs(model, args.simulated) if args.simulated else (None, None)
     console.print(
         f"selfspec bench: {model.name}, {len(prompts)} prompts x {len(methods)} methods "
-        f"({', '.join(m.label for m in methods)}), {args.max_new_tokens} new tokens",
+        f"({', '.join(m.label for m in methods)}), {args.max_new_tokens} new tokens"
+        + (f", simulated clock: {clock_name}" if profile is not None else ""),
         highlight=False,
     )
     result = run_benchmark(
@@ -194,6 +207,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         progress=not args.no_progress,
         sampling=sampling_params(args),
+        simulated=profile,
+        simulated_name=clock_name,
     )
     meta = {
         "dataset": None if args.stream else names[0],
@@ -209,6 +224,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     summary = summarize(result, meta=meta, stream=bool(args.stream), window=args.window)
     paths = write_outputs(result, summary, out_dir)
+    if profile is not None:  # the costs the run was timed with: --simulated FILE replays it, here or elsewhere
+        paths["profile"] = out_dir / "profile.json"
+        paths["profile"].write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
 
     print_summary(summary, console)
     warn_lossy(summary, console)
