@@ -554,3 +554,17 @@ def test_cli_bench_simulated_refuses_a_file_that_is_no_profile(cli_on_tiny, tmp_
     bad.write_text('{"version": 1}')
     assert _bench("--dataset", str(cli_on_tiny), "--limit", "1", "--simulated", str(bad)) == 2
     assert "not a cost profile of this version" in capsys.readouterr().err
+
+
+def test_a_prompts_pass_is_charged_one_row_of_head():
+    """A verification's cost table times the head over every row; a prompt's pass computes the last row's logits
+    alone, and the simulated clock charges it so: its layers for every row, the head for one."""
+    from selfspec.cost.costs import CostProfile, DraftCosts
+
+    forward = {1: 10.0, 2: 11.0, 16: 40.0, 64: 140.0}
+    head = {1: 4.0, 16: 10.0}  # the head alone: compute-bound past a few rows
+    prof = CostProfile("t", forward, {"same": DraftCosts(0.1, 0.5, 1.0, 1.0)}, 4, head_ms=head)
+    assert prof.pass_ms(64, SkipSet()) == pytest.approx(140.0), "a verification: every row's logits"
+    head_64 = 10.0 + (10.0 - 4.0) / 15 * 48  # the head table extrapolated
+    assert prof.pass_ms(64, SkipSet(), last_only=True) == pytest.approx(140.0 - head_64 + 4.0)
+    assert prof.pass_ms(1, SkipSet(), last_only=True) == pytest.approx(10.0), "one row: the same pass"

@@ -122,14 +122,16 @@ def given_profile(model: Any) -> Any:
     return _profile_for(model.engine, model)
 
 
-def charge(engine: Any, tokens: int, *, skip: Any, precision: Any, draft: bool = False) -> None:
+def charge(engine: Any, tokens: int, *, skip: Any, precision: Any, draft: bool = False,
+           last_only: bool = False) -> None:  # fmt: skip
     """Advance the virtual clock by what a pass of ``engine`` over ``tokens`` rows costs (no-op when real);
-    ``draft``: a draft pass (its head scores the draft vocabulary, even with nothing skipped)."""
+    ``draft``: a draft pass (its head scores the draft vocabulary, even with nothing skipped); ``last_only``: its
+    head computes the last row's logits alone (a prompt)."""
     global _virtual_s
     if _source is None:
         return
     prof = _profile_for(engine, None)  # made from the engine if no one asked for it yet
-    ms = prof.pass_ms(tokens, skip, precision, draft=draft)
+    ms = prof.pass_ms(tokens, skip, precision, draft=draft, last_only=last_only)
     with _lock:
         _virtual_s += ms / 1000.0
 

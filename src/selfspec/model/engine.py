@@ -192,7 +192,8 @@ class Engine:
         T = input_ids.shape[0]
         draft = draft or bool(skip.attention or skip.mlp) or kernels.active_draft_precision() is not None
         draft = draft or kernels.active_draft_adapters() is not None
-        clock.charge(self, T, skip=skip, precision=kernels.active_draft_precision(), draft=draft)  # simulated only
+        clock.charge(self, T, skip=skip, precision=kernels.active_draft_precision(), draft=draft,
+                     last_only=last_only)  # simulated only
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
         adapter = self.adapter
