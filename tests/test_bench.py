@@ -526,7 +526,8 @@ def test_cli_bench_simulated_writes_its_profile_and_replays_it(cli_on_tiny, tmp_
     args = ("--dataset", str(cli_on_tiny), "--limit", "2", "--methods", "pld", "--json")
     assert _bench(*args, "--simulated", "read-bound", "--out", str(first)) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["config"]["clock"].startswith("simulated: ") and "--simulated read-bound" in summary["config"]["command"]
+    config = summary["config"]
+    assert config["clock"].startswith("simulated: ") and "--simulated read-bound" in config["command"]
     assert (first / "profile.json").is_file() and "**clock** simulated" in (first / "report.md").read_text()
     assert _bench(*args, "--simulated", str(first / "profile.json"), "--out", str(again)) == 0
     times = [[json.loads(line)["time"] for line in (d / "results.jsonl").read_text().splitlines()]
