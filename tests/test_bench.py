@@ -569,3 +569,23 @@ def test_a_prompts_pass_is_charged_one_row_of_head():
     head_64 = 10.0 + (10.0 - 4.0) / 15 * 48  # the head table extrapolated
     assert prof.pass_ms(64, SkipSet(), last_only=True) == pytest.approx(140.0 - head_64 + 4.0)
     assert prof.pass_ms(1, SkipSet(), last_only=True) == pytest.approx(10.0), "one row: the same pass"
+
+
+def test_a_long_prompt_is_charged_by_the_measured_prompt_pass():
+    """Past the 64-row grid a prompt's cost runs toward the profile's timed prompt pass and along its slope; an older
+    profile without one (version 10) is still read, its prompts extrapolated from the 64-row pass."""
+    from selfspec.cost.costs import CostProfile, DraftCosts
+
+    forward = {1: 10.0, 2: 11.0, 16: 40.0, 64: 140.0}
+    head = {1: 4.0, 16: 10.0}
+    prof = CostProfile("t", forward, {"same": DraftCosts(0.1, 0.5, 1.0, 1.0)}, 4, head_ms=head, prompt_ms={256: 300.0})
+    at_64 = prof.pass_ms(64, SkipSet(), last_only=True)
+    assert prof.pass_ms(256, SkipSet(), last_only=True) == pytest.approx(300.0)
+    assert prof.pass_ms(160, SkipSet(), last_only=True) == pytest.approx((at_64 + 300.0) / 2)
+    assert prof.pass_ms(448, SkipSet(), last_only=True) == pytest.approx(300.0 + (300.0 - at_64))
+    again = CostProfile.from_dict(prof.to_dict())
+    assert again == prof
+    old = prof.to_dict() | {"version": 10}
+    del old["prompt_ms"]
+    older = CostProfile.from_dict(old)
+    assert older.prompt_ms == {} and older.pass_ms(256, SkipSet(), last_only=True) > 300.0

@@ -11,6 +11,8 @@ what a pass over 1 costs; on our 2-core CPU it costs 1.5-2x (DESIGN.md section
   this nearly twice a pass that keeps only the last row), their finiteness check and their argmax;
 * ``head_ms[T]``: the full LM head alone over T final hidden states (T = 1..16), with the same check and
   argmax: what verifies a draft that skipped nothing (head-only verification, :func:`verification`);
+* ``prompt_ms[T]``: a prompt's pass over T tokens (``PROMPT_ROWS``, the last row's logits only, on the prompt's own
+  path), which the simulated clock charges a prompt with (:meth:`CostProfile.pass_ms`);
 * per draft precision (the model's own dtype, and float16 / bfloat16 copies
   of the linear weights, see :mod:`selfspec.core.kernels`): what one attention /
   MLP sublayer adds to a one-token pass (averaged over the layers), the rest
@@ -49,9 +51,11 @@ from ..io import atomic_write_text, cache_dir
 # 5: forward_ms times verifications (all rows' logits), not last-row passes; 6: cheaper check;
 # 7: query heads of one key/value head attended together; 8: sublayer costs from draft passes only; 9: head_ms
 # (a version 8 profile is still read: its head costs are derived, CostProfile.head); 10: the low-bit draft "q4"
-# (an older profile of a model that has low-bit drafts is measured again: it lacks their costs)
-PROFILE_VERSION = 10
-READABLE_VERSIONS = (8, 9, 10)
+# (an older profile of a model that has low-bit drafts is measured again: it lacks their costs); 11: prompt_ms (an
+# older profile is still read: a prompt's cost is then extrapolated from the 64-row pass)
+PROFILE_VERSION = 11
+READABLE_VERSIONS = (8, 9, 10, 11)
+PROMPT_ROWS = 256  # tokens of the timed prompt pass (prompt_ms)
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
 HEAD_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of the head-only timings (a round's nodes: max_draft + 1 at most)
 # q4: the fused stack's 4-bit copies of a quantised model's 8-bit layer weights (core/quant.py, LOW_BIT_DRAFT)
@@ -86,6 +90,7 @@ class CostProfile:
     head_ms: dict[int, float] = field(default_factory=dict)  # T -> ms of the full head over T rows (may be empty)
     spread: float = 1.0  # median upper / lower quartile of the full passes' timings (past BUSY_SPREAD: busy)
     others: float = 0.0  # cores' worth of our CPUs other work took while measuring (past BUSY_OTHERS: busy)
+    prompt_ms: dict[int, float] = field(default_factory=dict)  # T -> ms of a prompt's pass over T tokens (may be empty)
 
     def forward(self, tokens: int) -> float:
         """ms of a full-model pass over ``tokens`` new tokens (linear interpolation, extrapolated past 64).
@@ -143,13 +148,22 @@ class CostProfile:
         ``precision``) whose one-row cost grows with its rows as a full pass's does (the simulated clock's
         charge).  ``last_only``: the head over the last row alone (a prompt's pass), where ``forward`` times a
         verification's head over every row: a 64-row pass of Qwen2.5-Coder 0.5B spends 40 of its 138 ms there."""
-        ms = self.forward(tokens)
-        if last_only and tokens > 1:
-            ms = max(ms - self.head(tokens) + self.head(1), self.forward(1))
+        ms = self.prompt(tokens) if last_only else self.forward(tokens)
         if draft or skip.attention or skip.mlp or precision is not None:
             name = next((n for n, d in PRECISIONS.items() if d == precision and n in self.drafts), "same")
             ms *= self.draft_step(skip, name) / self.forward(1)
         return ms
+
+    def prompt(self, tokens: int) -> float:
+        """ms of a pass over ``tokens`` rows that keeps the last row's logits alone (a prompt): a verification less its
+        head's extra rows up to 64 rows, then toward the measured prompt pass (``prompt_ms``) and along its slope."""
+        def up_to_64(t: int) -> float:
+            return max(self.forward(t) - self.head(t) + self.head(1), self.forward(1))
+
+        if tokens <= max(self.forward_ms) or not self.prompt_ms:
+            return up_to_64(tokens)
+        top = max(self.forward_ms)
+        return _interpolate({top: up_to_64(top), **{t: ms for t, ms in self.prompt_ms.items() if t > top}}, tokens)
 
     def draft_ratio(self, skip: SkipSet, precision: str = "same") -> float:
         """c: draft step cost / full one-token pass."""
@@ -190,6 +204,7 @@ class CostProfile:
         d = asdict(self)
         d["forward_ms"] = {str(k): v for k, v in self.forward_ms.items()}
         d["head_ms"] = {str(k): v for k, v in self.head_ms.items()}
+        d["prompt_ms"] = {str(k): v for k, v in self.prompt_ms.items()}
         d["version"] = PROFILE_VERSION
         return d
 
@@ -201,6 +216,7 @@ class CostProfile:
             raise ValueError("profile version")
         d["forward_ms"] = {int(k): float(v) for k, v in d["forward_ms"].items()}
         d["head_ms"] = {int(k): float(v) for k, v in d.get("head_ms", {}).items()}
+        d["prompt_ms"] = {int(k): float(v) for k, v in d.get("prompt_ms", {}).items()}
         d["drafts"] = {k: DraftCosts(**v) for k, v in d["drafts"].items()}
         return cls(**d)
 
@@ -362,10 +378,30 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     heads = [t for t in HEAD_GRID if f"H{t}" in times]
     head = dict(zip(heads, _non_decreasing([statistics.median(times[f"H{t}"]) for t in heads]), strict=True))
     spread = statistics.median(clock.quartile_spread(times[f"T{t}"]) for t in GRID)
+    prompt = _prompt_pass_ms(model, min(PROMPT_ROWS, model.max_context // 2))
     # the passes' freed [T, V] logits (60-80 MB on a 152k vocabulary) given back once timed: trimming between
     # passes would make a pass pay the first touch of pages that decoding's passes find in the heap
     return_free_heap()
-    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread, round(load.cores, 3))
+    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread, round(load.cores, 3),
+                       prompt_ms=prompt if prompt else {})  # fmt: skip
+
+
+def _prompt_pass_ms(model, rows: int, reps: int = 3) -> dict[int, float] | None:
+    """{rows: median ms} of a prompt's pass over ``rows`` tokens of text on an empty cache, on the prompt's own path
+    (the last row's logits only); None where the model's context holds too few for one past the 64-row grid."""
+    if rows <= max(GRID):
+        return None
+    engine = model.engine
+    ids = _text_ids(model, rows)
+    times = []
+    for _ in range(reps):
+        cache = engine.new_cache(rows)
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        engine.forward(cache, ids, 0, prefill=True, last_only=True)
+        _sync(engine.device)
+        times.append(1000 * (time.perf_counter() - t0))
+    return {rows: statistics.median(times)}
 
 
 def fitted(prof: CostProfile, model) -> CostProfile | None:
