@@ -80,6 +80,8 @@ results: install
 		--out docs/results/structured-qwen2.5-coder-0.5b
 	$(BIN)/selfspec bench --model gemma3-270m $(STRUCTURED) --methods vanilla,pld,asd,auto \
 		--out docs/results/structured-gemma3-270m
+	$(BENCH) --model qwen2.5-coder-0.5b --dataset spec-bench --limit 3 --methods vanilla,auto,suffix,asd,pld \
+		--simulated docs/results/simulated-qwen2.5-coder-0.5b/profile.json --out docs/results/simulated-qwen2.5-coder-0.5b
 	$(BIN)/selfspec bench --model smollm2-135m --dataset spec-bench --limit 6 --clients 4 --requests 8 \
 		--methods vanilla,auto,llamacpp --max-new-tokens 64 --llama-cpp $(LLAMA_CPP) --out docs/results/load-smollm2-135m
 
