@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from datetime import datetime
@@ -226,7 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     paths = write_outputs(result, summary, out_dir)
     if profile is not None:  # the costs the run was timed with: --simulated FILE replays it, here or elsewhere
         paths["profile"] = out_dir / "profile.json"
-        paths["profile"].write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+        profile.write(paths["profile"])
 
     print_summary(summary, console)
     warn_lossy(summary, console)

@@ -200,6 +200,10 @@ class CostProfile:
             best = max(best, tokens * self.forward(1) / cost)
         return best
 
+    def write(self, path: Path) -> None:
+        """The profile as JSON at ``path`` (what :meth:`from_dict` reads back), written atomically."""
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["forward_ms"] = {str(k): v for k, v in self.forward_ms.items()}
@@ -294,7 +298,7 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
             print(f"selfspec: the machine was busy while measuring ({why}); these costs are not saved and are "
                   "measured again next time", file=sys.stderr)  # fmt: skip
         elif cache:
-            atomic_write_text(path, json.dumps(prof.to_dict(), indent=1) + "\n")
+            prof.write(path)
     _MEMORY[key] = prof
     return prof
 
@@ -366,6 +370,7 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
                 _sync(engine.device)
                 if rep:
                     times[name].append(1000 * (time.perf_counter() - t0))
+        prompt = _prompt_pass_ms(model, min(PROMPT_ROWS, model.max_context // 2))
 
     def q1(name: str) -> float:
         return statistics.quantiles(times[name], n=4)[0] if len(times[name]) > 1 else times[name][0]
@@ -378,19 +383,17 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     heads = [t for t in HEAD_GRID if f"H{t}" in times]
     head = dict(zip(heads, _non_decreasing([statistics.median(times[f"H{t}"]) for t in heads]), strict=True))
     spread = statistics.median(clock.quartile_spread(times[f"T{t}"]) for t in GRID)
-    prompt = _prompt_pass_ms(model, min(PROMPT_ROWS, model.max_context // 2))
     # the passes' freed [T, V] logits (60-80 MB on a 152k vocabulary) given back once timed: trimming between
     # passes would make a pass pay the first touch of pages that decoding's passes find in the heap
     return_free_heap()
-    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread, round(load.cores, 3),
-                       prompt_ms=prompt if prompt else {})  # fmt: skip
+    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread, round(load.cores, 3), prompt)
 
 
-def _prompt_pass_ms(model, rows: int, reps: int = 3) -> dict[int, float] | None:
+def _prompt_pass_ms(model, rows: int, reps: int = 3) -> dict[int, float]:
     """{rows: median ms} of a prompt's pass over ``rows`` tokens of text on an empty cache, on the prompt's own path
-    (the last row's logits only); None where the model's context holds too few for one past the 64-row grid."""
+    (the last row's logits only); empty where the model's context holds too few for one past the 64-row grid."""
     if rows <= max(GRID):
-        return None
+        return {}
     engine = model.engine
     ids = _text_ids(model, rows)
     times = []
