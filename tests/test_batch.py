@@ -69,6 +69,34 @@ def test_a_batched_pass_gives_each_sequence_its_logits_alone(name, request):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+def test_a_member_away_does_not_hold_the_batch(smollm2):
+    """While a member copies a prefix (``away``: no pass of its own coming), the others' passes run without it;
+    back, it takes part again."""
+    engine = smollm2.engine
+    batcher, mine, theirs = StepBatcher(engine), _prefilled(smollm2, PROMPTS[0]), _prefilled(smollm2, PROMPTS[1])
+    inside, release, back = threading.Event(), threading.Event(), threading.Event()
+
+    def away_for_a_while():
+        with batcher.member():
+            with batcher.away():
+                inside.set()
+                release.wait(60)
+            back.set()
+            batcher.forward(BatchItem(theirs, torch.tensor([7]), theirs.length, last_only=True))
+
+    with batcher.member():
+        other = threading.Thread(target=away_for_a_while)
+        other.start()
+        assert inside.wait(60)
+        logits = batcher.forward(BatchItem(mine, torch.tensor([5]), mine.length, last_only=True))
+        assert logits.shape[0] == 1 and batcher.stats.sequences == 1  # ran alone: the other was away
+        release.set()
+        assert back.wait(60)
+        batcher.forward(BatchItem(mine, torch.tensor([6]), mine.length, last_only=True))
+    other.join(60)
+    assert not other.is_alive() and batcher.stats.passes >= 2 and batcher.members == 0
+
+
 LONG = ("A long prompt read in chunks: " + " ".join(f"item {i} is {i * i % 97};" for i in range(120)) +
         " The last item is")  # fmt: skip
 

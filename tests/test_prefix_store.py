@@ -212,6 +212,28 @@ def test_eviction_keeps_the_bound_and_the_outputs(qtiny):
     assert 0 < again.stats.reused_tokens <= 30 and again.token_ids == outs[1].token_ids
 
 
+def test_a_finished_decodings_cache_is_kept_without_a_copy(qtiny):
+    """``save(take=True)``: the store keeps the cache's own buffers (the cache is left empty) where the tokens
+    fill at least half of them, and a copy otherwise; either way a later prompt reuses the bits of a whole
+    prefill, and the store counts the memory it keeps."""
+    L, prompt = qtiny.num_layers, ids_of(50, seed=40)
+    for room, kept_whole in ((8, True), (200, False)):
+        store = PrefixStore()
+        pf = prefill(qtiny, prompt, max_new_tokens=room)
+        pointers = {t.data_ptr() for i in range(L) for t in pf.cache.layer(i, 1)}
+        capacity_bytes = pf.cache.nbytes()
+        store.save(qtiny.engine, prompt, pf.cache, take=True)
+        (entry,) = store._entries.values()
+        held = {t.data_ptr() for pair in entry.layers for t in pair}
+        assert (held == pointers) is kept_whole and (pf.cache.nbytes() == 0) is kept_whole
+        assert store.stats().bytes == (capacity_bytes if kept_whole else entry.nbytes) == entry.nbytes
+        longer = prompt + ids_of(20, seed=41)[1:]
+        whole = prefill(qtiny, longer, max_new_tokens=4)
+        reused = prefill(qtiny, longer, max_new_tokens=4, store=store)
+        assert reused.reused == 50 and torch.equal(whole.last_logits, reused.last_logits)
+        assert same_bits(whole.cache, reused.cache, len(longer), L)
+
+
 def test_a_zero_bound_disables_the_store(qtiny):
     session = selfspec.Session(qtiny, "vanilla", prefix_cache=0)
     prompt = ids_of(30, seed=30)

@@ -86,6 +86,20 @@ class KVCache:
             pairs = zip(self._keys, self._values, strict=True)
             return [(k[:, :, :end].clone(), v[:, :, :end].clone()) for k, v in pairs]
 
+    def take_prefix(self, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values of slots ``[0, end)``, as :meth:`prefix` gives them but without a copy:
+        views of this cache's own buffers, which the cache then lets go of (it is empty afterwards, and a later
+        write allocates new buffers).  For a decoding's last use of its cache: handing it to the prefix store
+        cost nothing where copying 10 MB (SmolLM2, 450 tokens) took 30 ms beside a loaded server's passes."""
+        if any(b is None for b in self._keys + self._values):
+            raise RuntimeError("take_prefix of a cache that was never written")
+        with torch.inference_mode():
+            pairs = [(k[:, :, :end], v[:, :, :end]) for k, v in zip(self._keys, self._values, strict=True)]
+        n = len(self._keys)
+        self._keys, self._values = [None] * n, [None] * n
+        self._layout, self._pointers, self.length = None, None, 0
+        return pairs
+
     def load_prefix(self, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
         """Fill slots ``[0, length)`` of an empty cache with ``layers`` (what :meth:`prefix` gave, the same dtype
         kept) and commit them."""

@@ -104,7 +104,9 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        """The memory the entry keeps: its tensors' whole storage (a cache handed over whole, see
+        :meth:`PrefixStore.save`, keeps its slots past the entry's tokens too)."""
+        return sum(t.untyped_storage().nbytes() for pair in self.layers for t in pair)
 
 
 @dataclass(frozen=True)
@@ -215,9 +217,13 @@ class PrefixStore:
         return hit.length
 
     # -- save ----------------------------------------------------------------------------------------
-    def save(self, engine: Any, tokens: list[int], cache: KVCache, marks: dict[int, CosineMark] | None = None) -> None:
+    def save(self, engine: Any, tokens: list[int], cache: KVCache, marks: dict[int, CosineMark] | None = None, *,
+             take: bool = False) -> None:  # fmt: skip
         """Keep the keys and values of ``tokens`` (the cache's committed slots ``[0, len(tokens))``), with the
-        cosine ``marks`` that hold for them."""
+        cosine ``marks`` that hold for them.  ``take``: the caller is done with ``cache``; the store may keep its
+        buffers rather than a copy (it does when the tokens fill at least half of them: a copy otherwise, so
+        that a short answer under a large ``max_tokens`` does not keep the unused room), and the cache is then
+        left empty."""
         if not self.usable(engine) or len(tokens) < 2:
             return
         n = min(len(tokens), cache.length)
@@ -243,7 +249,8 @@ class PrefixStore:
                 if common == len(entry.tokens):  # ours extends it: it goes, its marks come along
                     marks = {**entry.marks, **marks}
                     self._drop(key)
-            entry = _Entry(seq, cache.prefix(n), sig, marks)
+            whole = take and 2 * n >= cache.capacity and cache.nbytes() <= self.max_bytes
+            entry = _Entry(seq, cache.take_prefix(n) if whole else cache.prefix(n), sig, marks)
             self._entries[self._next] = entry
             self._next += 1
             self._bytes += entry.nbytes

@@ -26,6 +26,7 @@ drafter and its policies hold per-generation state.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -102,8 +103,9 @@ def prefill(
     check_lengths(model, len(prompt_ids), max_new_tokens)
     engine = model.engine
     cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_nodes)
-    hit = store.lookup(engine, prompt_ids, cosine=cosine) if store is not None else None
-    start = store.restore(hit, cache) if hit is not None else 0
+    with batcher.away() if batcher is not None else nullcontext():  # copying, no pass: the batch goes on
+        hit = store.lookup(engine, prompt_ids, cosine=cosine) if store is not None else None
+        start = store.restore(hit, cache) if hit is not None else 0
     measure = cosine and (hit is None or hit.mark_at < len(prompt_ids))  # a mark at the whole prompt: known
     out: list[SublayerCosine] = []
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=engine.device)
@@ -303,7 +305,9 @@ class Decoder:
                 finish()
             if self.prefix_store is not None:  # the prompt and what was committed after it, for the next request
                 tokens = [*self.prompt_ids, *out][: cache.length]
-                self.prefix_store.save(self.model.engine, tokens, cache, pf.marks)
+                with self._batcher.away() if self._batcher is not None else nullcontext():
+                    # a prefill of its own is this decoding's alone, its cache no longer needed: the store may keep it
+                    self.prefix_store.save(self.model.engine, tokens, cache, pf.marks, take=self.prefill is None)
         self.stats = self._stats(out, tally, skip, pf.cosine if self._wants_cosine else None,
                                  prefill_time, clock.now() - t_start)  # fmt: skip
 
