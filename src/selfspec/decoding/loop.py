@@ -103,7 +103,7 @@ def prefill(
     check_lengths(model, len(prompt_ids), max_new_tokens)
     engine = model.engine
     cache = engine.new_cache(len(prompt_ids) + max_new_tokens + max_nodes)
-    with batcher.away() if batcher is not None else nullcontext():  # copying, no pass: the batch goes on
+    with _away(batcher if store is not None else None):  # copying, no pass: the batch goes on without us
         hit = store.lookup(engine, prompt_ids, cosine=cosine) if store is not None else None
         start = store.restore(hit, cache) if hit is not None else 0
     measure = cosine and (hit is None or hit.mark_at < len(prompt_ids))  # a mark at the whole prompt: known
@@ -130,6 +130,11 @@ def prefill(
         mark = mark.plus(_sums(measured, n - start), n - start)
     # the mean over the measured positions: a reused earlier answer (never prefilled) is left out, not re-read
     return replace(pf, cosine=_mean(mark.sums, mark.count), marks={**pf.marks, n: mark})
+
+
+def _away(batcher: StepBatcher | None):
+    """Around a batch member's work that runs no pass (copying a prefix): the batch goes on without it."""
+    return batcher.away() if batcher is not None else nullcontext()
 
 
 def _prefill_in_batches(batcher: StepBatcher, cache: KVCache, ids: torch.Tensor, start: int,
@@ -305,7 +310,7 @@ class Decoder:
                 finish()
             if self.prefix_store is not None:  # the prompt and what was committed after it, for the next request
                 tokens = [*self.prompt_ids, *out][: cache.length]
-                with self._batcher.away() if self._batcher is not None else nullcontext():
+                with _away(self._batcher):
                     # a prefill of its own is this decoding's alone, its cache no longer needed: the store may keep it
                     self.prefix_store.save(self.model.engine, tokens, cache, pf.marks, take=self.prefill is None)
         self.stats = self._stats(out, tally, skip, pf.cosine if self._wants_cosine else None,
