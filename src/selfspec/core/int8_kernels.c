@@ -201,7 +201,7 @@ static int pass_threads = 0;
 void selfspec_set_pass_threads(int n) { pass_threads = n < 0 ? 0 : n; }
 int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_get_max_threads(); }
 
-/* Bytes of one group of G codes for 16 output rows in each form, and a symmetric form's minimum in units of d */
+/* Bytes of one group of G codes for 16 output rows in each form */
 #define LUT4 12 /* a form's BITS for IQ4's indices (see the header) */
 #define NIBBLES(BITS) ((BITS) == 4 || (BITS) == LUT4) /* the forms of 4-bit codes alone */
 #define GROUP_BYTES(BITS, G)                                                                                          \
@@ -211,9 +211,11 @@ int selfspec_pass_threads(void) { return pass_threads > 0 ? pass_threads : omp_g
      : (BITS) == 5                 ? 320                                                                             \
      : (BITS) == 6                 ? 192                                                                             \
                                    : (G) * 16)
-#define SYM_MIN(BITS) \
-    ((BITS) == 2 ? -2.0f : (BITS) == 3 ? -4.0f : (BITS) == 4 ? -8.0f : (BITS) == 5 ? -16.0f : (BITS) == 6 ? -32.0f \
-                                                                                                   : -128.0f)
+/* A symmetric form's minimum in units of d (-2^(BITS-1)), an integer: its term, SYM_MIN_INT * (the group's sum of
+ * x's codes), joins the exact integer sum before the sum's one conversion to float, so a group of such a form costs
+ * a row of x one multiply and one fused multiply-add (a form with stored minima: a second one for its minimum) */
+#define SYM_MIN_INT(BITS) \
+    ((BITS) == 2 ? -2 : (BITS) == 3 ? -4 : (BITS) == 4 ? -8 : (BITS) == 5 ? -16 : (BITS) == 6 ? -32 : -128)
 /* IQ4's levels (llama.cpp's kvalues_iq4nl: -127, -104, ..., 113) + 128, the unsigned codes a LUT4 index picks */
 static const uint8_t IQ4_CODES[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 #define X16_SCALE16 0x100 /* in a product's form: scales and minima are IEEE halves */
@@ -330,6 +332,14 @@ static inline __attribute__((always_inline)) void decode_low512(const int BITS, 
     }
 }
 
+/* acc + the products of the unsigned bytes of w with the 4 signed bytes at x (one word, broadcast), by vpdpbusd with
+ * the word as its memory operand broadcast ({1to16}): GCC broadcast each word into a register by a separate
+ * instruction first, one more instruction for the vector units per vpdpbusd */
+static inline __attribute__((always_inline)) __m512i dpbusd_word(__m512i acc, __m512i w, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
 /* NB (1..8) rows of x against one block of 16 output rows; y [t * ldy + r] for r < 16.  BITS and G are
  * constants after inlining (4 and 32, or 8 and 16 or 32).  xq, dx: one run of NB interleaved rows' codes and block
  * scales (see qrows: [K/32][NB][32] and [K/32][NB]); ds: dx * code sums per weight group, [K/G][NB]. */
@@ -340,7 +350,6 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
                                                              const void *scale,
                                                              const void *minv, const float *bias, float *y,
                                                              long ldy) {
-    (void)xs; /* vpdpbusd takes the codes + 128 as they are */
     const long groups = K / G;
     __m512 acc[8];
     UNROLL
@@ -366,24 +375,26 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
            * call of memcpy per group (a tenth of a Qwen2.5 step, in its Q8_0 head) */
         const uint8_t *c8 = codes + g * G * 16;
         const __m512 dv = scales16(scale, g, SK, groups, G);
-        /* symmetric (no stored minimum): -2^(BITS-1) d, exactly the row form's minimum */
-        const __m512 mv = SYM ? _mm512_mul_ps(dv, _mm512_set1_ps(SYM_MIN(BITS))) : scales16(minv, g, SK, groups, G);
+        const __m512 mv = SYM ? _mm512_setzero_ps() : scales16(minv, g, SK, groups, G);
         UNROLL
         for (int t = 0; t < NB; t++) {
             /* the run's rows interleaved (QRUN = NB rows, or the rows left): row t at a constant offset */
             const int32_t *xg = (const int32_t *)(xq + (g * G) / 32 * (NB * 32) + t * 32 + (g * G) % 32);
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(); /* two chains: integer sums are */
+            /* symmetric (no stored minimum): the minimum -2^(BITS-1) d times the group's code sum, in integers
+             * (xs: the sums per 16, in the run's interleaved columns) */
+            const int32_t xsum = !SYM ? 0 : G == 32 ? xs[2 * g * NB + t] + xs[(2 * g + 1) * NB + t] : xs[g * NB + t];
+            __m512i s0 = _mm512_set1_epi32(SYM_MIN_INT(BITS) * xsum), s1 = _mm512_setzero_si512(); /* two chains: */
             UNROLL
-            for (int j = 0; j < G / 4; j += 2) {                               /* exact in any order */
+            for (int j = 0; j < G / 4; j += 2) { /* integer sums are exact in any order (one chain: no faster) */
                 const __m512i w0 = BITS == 8 ? _mm512_loadu_si512(c8 + 64 * j) : w[j];
                 const __m512i w1 = BITS == 8 ? _mm512_loadu_si512(c8 + 64 * (j + 1)) : w[j + 1];
-                s0 = _mm512_dpbusd_epi32(s0, w0, _mm512_set1_epi32(xg[j]));
-                s1 = _mm512_dpbusd_epi32(s1, w1, _mm512_set1_epi32(xg[j + 1]));
+                s0 = dpbusd_word(s0, w0, xg + j);
+                s1 = dpbusd_word(s1, w1, xg + j + 1);
             }
             const __m512i s = _mm512_add_epi32(s0, s1);
             const __m512 d = _mm512_mul_ps(dv, _mm512_set1_ps(dx[(g * G) / 32 * NB + t]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[t]);
-            acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ds[g * NB + t]), acc[t]);
+            if (!SYM) acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ds[g * NB + t]), acc[t]);
         }
     }
     UNROLL
@@ -539,8 +550,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                     __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
             const uint8_t *c = codes + g * group_bytes + 32 * h;
             const __m256 dv = scales8(scale, g, h, SK, groups, G);
-            const __m256 mv = SYM ? _mm256_mul_ps(dv, _mm256_set1_ps(SYM_MIN(BITS)))
-                                  : scales8(minv, g, h, SK, groups, G);
+            const __m256 mv = SYM ? _mm256_setzero_ps() : scales8(minv, g, h, SK, groups, G);
             __m256i w[8];
             if (NIBBLES(BITS)) {
                 UNROLL
@@ -575,13 +585,14 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
                 const int32_t *xg = (const int32_t *)(xq + t * K + g * G);
                 const int32_t *xst = xs + t * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
                 const int32_t xsum = G == 32 ? xst[0] + xst[1] : xst[0];
-                const __m256i s = BITS == 4                               ? sums_q4(w, xg)
-                                  : BITS <= 3 || BITS == 5 || BITS == 6 ? sums_small(G / 4, w, xg)
-                                  : BITS == LUT4                          ? sums_bytes(8, w, NULL, xg, xsum)
-                                                                          : sums_q8(G, c, xg, xsum);
+                __m256i s = BITS == 4                               ? sums_q4(w, xg)
+                            : BITS <= 3 || BITS == 5 || BITS == 6 ? sums_small(G / 4, w, xg)
+                            : BITS == LUT4                          ? sums_bytes(8, w, NULL, xg, xsum)
+                                                                    : sums_q8(G, c, xg, xsum);
+                if (SYM) s = _mm256_add_epi32(s, _mm256_set1_epi32(SYM_MIN_INT(BITS) * xsum)); /* as block_vnni */
                 const __m256 d = _mm256_mul_ps(dv, _mm256_set1_ps(dx[t * (K / 32) + (g * G) / 32]));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[t]);
-                acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t]);
+                if (!SYM) acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ds[t * groups + g]), acc[t]);
             }
         }
         UNROLL
@@ -728,18 +739,19 @@ static __attribute__((unused)) void block_portable(int bits, int sk, long K, lon
         float d[16], m[16];
         for (int r = 0; r < 16; r++) {
             d[r] = scale_at(scale, g, r, sk, groups, G);
-            m[r] = minv ? scale_at(minv, g, r, sk, groups, G) : SYM_MIN(bits) * d[r];
+            m[r] = minv ? scale_at(minv, g, r, sk, groups, G) : 0.0f;
         }
         for (int t = 0; t < nt; t++) {
             const long row = t0 + t;
             int32_t s[16];
             const int32_t *xs = x->xs16 + row * (K / 16) + (g * G) / 16; /* the group's code sums per 16 */
-            group_sums_portable(bits, G, w, x->q + row * K + g * G, G == 32 ? xs[0] + xs[1] : xs[0], s);
+            const int32_t xsum = G == 32 ? xs[0] + xs[1] : xs[0];
+            group_sums_portable(bits, G, w, x->q + row * K + g * G, xsum, s);
             const float dxg = x->dx[row * (K / 32) + (g * G) / 32];
             const float dsg = G == 32 ? x->ds32[row * (K / 32) + g] : x->ds16[row * (K / 16) + g];
-            for (int r = 0; r < 16; r++) {
-                acc[t][r] = fmaf((float)s[r], d[r] * dxg, acc[t][r]);
-                acc[t][r] = fmaf(m[r], dsg, acc[t][r]);
+            for (int r = 0; r < 16; r++) { /* as block_vnni: a symmetric form's minimum in the integer sum */
+                acc[t][r] = fmaf((float)(minv ? s[r] : s[r] + SYM_MIN_INT(bits) * xsum), d[r] * dxg, acc[t][r]);
+                if (minv) acc[t][r] = fmaf(m[r], dsg, acc[t][r]);
             }
         }
     }
