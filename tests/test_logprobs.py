@@ -190,3 +190,30 @@ def test_bad_token_ids_get_a_clear_error(smollm2):
     for bad in ([1, 2, 10**9], [5, -1]):
         with pytest.raises(InvalidInputError, match="not in the model's vocabulary"):
             selfspec.generate(smollm2, bad, "vanilla", max_new_tokens=2)
+
+
+def test_a_long_streamed_text_is_decoded_less_often_and_its_pieces_stay_exact(smollm2, monkeypatch):
+    """Past STREAM_WHOLE_TOKENS tokens a text is decoded again only once STREAM_DECODE_SHARE of the time since went
+    to decoding it: with a decoding made dear (5 ms), pieces hold several rounds' tokens, and they still join to the
+    generation's text, count its tokens and carry its log-probabilities in order."""
+    import time
+
+    from selfspec import api
+
+    real, calls = smollm2.decode, []
+
+    def slow_decode(ids, *a, **kw):
+        calls.append(len(ids))
+        time.sleep(0.005)
+        return real(ids, *a, **kw)
+
+    monkeypatch.setattr(api, "STREAM_WHOLE_TOKENS", 4)
+    monkeypatch.setattr(smollm2, "decode", slow_decode)
+    session = selfspec.Session(smollm2, "vanilla")
+    pieces = list(session.pieces(CHAT, max_new_tokens=40, logprobs=1))
+    result = session.last_result
+    assert len(result.token_ids) > 20
+    assert len(calls) < len(result.token_ids) / 2  # (vanilla: one round a token; the first 4 decoded each round)
+    assert "".join(p.text for p in pieces) == result.text == real(list(result.token_ids))
+    assert sum(p.tokens for p in pieces) == len(result.token_ids)
+    assert tuple(e for p in pieces for e in p.logprobs) == result.logprobs
