@@ -165,7 +165,8 @@ class Session:
 
     def pieces(self, prompt: Prompt, *, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                logprobs: int | None = None) -> Iterator[Piece]:  # fmt: skip
-        """Per round of decoding, the new text with how many tokens it holds and how many of those came from
+        """Per round of decoding (past ``STREAM_WHOLE_TOKENS`` tokens, per few rounds: ``STREAM_DECODE_SHARE``),
+        the new text with how many tokens it holds and how many of those came from
         the draft (a server marks them), and with ``logprobs`` those tokens' log-probabilities; ``last_result``
         is set at the end.  Closing the iterator stops the generation after the current round (``last_result``
         is then None)."""
