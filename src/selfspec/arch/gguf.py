@@ -27,8 +27,10 @@ for a 262k-token vocabulary) and cached as a small HF directory without weights.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ from ..core.quant import (
     from_gguf,
     int8_activations,
     prefill_kernel,
+    read_at,
     repackable,
 )
 from ..errors import SelfspecError, UnsupportedModelError
@@ -194,9 +197,8 @@ def _read_header(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...],
 
 
 def _raw(f, offset: int, nbytes: int) -> np.ndarray:
-    f.seek(offset)
     buf = np.empty(nbytes, dtype=np.uint8)
-    if f.readinto(memoryview(buf)) != nbytes:
+    if read_at(f, offset, buf) != nbytes:
         raise SelfspecError(f"GGUF file {f.name} is truncated")
     return buf
 
@@ -242,13 +244,14 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
     summary: dict[str, Any] = {"kept": {}, "dequantized": {}}
     quantised: dict[str, QuantWeight | MappedTable] = {}
     trim = HeapTrimmer(64 << 20)  # the repacks' freed temporaries given back as the load goes (else 30-60 MB)
-    with path.open("rb") as f:
+    pending: list[tuple[str, Future, np.ndarray | None]] = []  # repacks under way, in the file's order
+    pool = ThreadPoolExecutor(loader_threads(), thread_name_prefix="selfspec-load")
+    with path.open("rb") as f, _shut_down_on_exit(pool):
         freq_factors = _rope_freqs(f, tensors)
         for name, kind, shape, offset, nbytes in tensors:
             hf_name = name_map.get(name)
             if hf_name is None:
                 continue
-            trim(nbytes)
             module_path, attr = hf_name.rsplit(".", 1)
             module = hf.get_submodule(module_path)
             qw = None
@@ -261,11 +264,16 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                     packed = not untied and int8_activations()
                 else:
                     packed = pack_layers and type(module) is nn.Linear
-                qw = None if perm is None else _kept(f, kind, shape, offset, nbytes, perm, mapped=mapped, packed=packed)
-            if qw is not None:
-                quantised[module_path] = qw
-                summary["kept"][kind] = summary["kept"].get(kind, 0) + 1
-                continue
+                if perm is not None:
+                    identity = np.array_equal(perm, np.arange(shape[1]))
+                    if mapped:
+                        quantised[module_path] = _mapped(f, kind, shape, offset, nbytes, None if identity else perm)
+                    else:
+                        pending.append((module_path, pool.submit(_repacked, f, kind, shape, offset, nbytes, trim,
+                                                                 packed=packed and identity),
+                                        None if identity else perm))  # fmt: skip
+                    summary["kept"][kind] = summary["kept"].get(kind, 0) + 1
+                    continue
             if len(shape) == 2 and kind not in ("F32", "F16", "BF16"):
                 summary["dequantized"][kind] = summary["dequantized"].get(kind, 0) + 1
             raw = _raw(f, offset, nbytes)
@@ -273,6 +281,9 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                                        parsed_parameters={"tensors": {}}).weights  # fmt: skip
             module._parameters[attr] = nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)),
                                                     requires_grad=False)  # fmt: skip
+        for module_path, repack, perm in pending:  # (a failed repack raises its error here)
+            qw = repack.result()
+            quantised[module_path] = qw if perm is None else qw.permute_rows(perm)
     if summary["dequantized"]:
         kinds = ", ".join(f"{k} ({n} tensors)" for k, n in summary["dequantized"].items())
         warnings.warn(f"{path.name}: no quantised kernel for {kinds}; those tensors are dequantised to fp32",
@@ -389,18 +400,43 @@ def _name_map(hf: nn.Module, gguf_arch: str, path: Path) -> dict[str, str]:
     return out
 
 
-def _kept(f, kind: str, shape: tuple[int, ...], offset: int, nbytes: int, perm: np.ndarray, *,
-          mapped: bool, packed: bool) -> QuantWeight | MappedTable:  # fmt: skip
-    """A weight kept quantised, its rows reordered by ``perm``: repacked into memory (with ``packed``, as its
-    interleaved copy for int8 products alone where it can be), or with ``mapped`` left in the open file ``f`` as
-    a :class:`MappedTable`."""
-    identity = np.array_equal(perm, np.arange(shape[1]))
-    if mapped:
-        blocks = np.memmap(f, dtype=np.uint8, mode="r", offset=offset, shape=(shape[1], nbytes // shape[1]))
-        return MappedTable(kind, blocks, shape[1], shape[0], None if identity else perm)
-    qw = from_gguf(kind, (f, offset), shape[1], shape[0], packed=packed and identity)
+LOADER_THREADS = 4  # at most: a repack is bound by memory beyond a few threads
+
+
+def loader_threads() -> int:
+    """Threads that repack a file's tensors at once: torch's thread count (the cores it was given), at most
+    :data:`LOADER_THREADS`."""
+    return max(1, min(LOADER_THREADS, torch.get_num_threads()))
+
+
+def _mapped(f, kind: str, shape: tuple[int, ...], offset: int, nbytes: int,
+            perm: np.ndarray | None) -> MappedTable:  # fmt: skip
+    """A weight left in the open file ``f`` as a :class:`MappedTable` (its rows reordered by ``perm``)."""
+    blocks = np.memmap(f, dtype=np.uint8, mode="r", offset=offset, shape=(shape[1], nbytes // shape[1]))
+    return MappedTable(kind, blocks, shape[1], shape[0], perm)
+
+
+@contextlib.contextmanager
+def _shut_down_on_exit(pool: ThreadPoolExecutor):
+    """``pool`` shut down when the block ends; where it ends by an error, the repacks not started are dropped."""
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _repacked(f, kind: str, shape: tuple[int, ...], offset: int, nbytes: int, trim: HeapTrimmer, *,
+              packed: bool) -> QuantWeight:  # fmt: skip
+    """A weight kept quantised, repacked into memory from the open file ``f`` (with ``packed``, as its interleaved
+    copy for int8 products alone where it can be), then the heap trimmed after every so many bytes of them.  Runs
+    on a loader thread, beside others: numpy's work and positioned reads only (a torch operator there would start
+    an OpenMP team of that thread's, see :mod:`selfspec.core.native_thread`)."""
+    qw = from_gguf(kind, (f, offset), shape[1], shape[0], packed=packed)
     assert qw is not None
-    return qw if identity else qw.permute_rows(perm)
+    trim(nbytes)
+    return qw
 
 
 def _quantisable(module: nn.Module) -> bool:

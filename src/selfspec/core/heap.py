@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 
 @functools.cache
@@ -30,13 +31,17 @@ def return_free_heap() -> None:
 
 class HeapTrimmer:
     """Counts bytes of temporaries made and freed; past ``budget`` of them, returns the free heap and starts
-    again: ``trim = HeapTrimmer(64 << 20)``, then ``trim(nbytes)`` in the loop."""
+    again: ``trim = HeapTrimmer(64 << 20)``, then ``trim(nbytes)`` in the loop (or in the threads of one)."""
 
     def __init__(self, budget: int) -> None:
         self.budget, self.since = budget, 0
+        self._lock = threading.Lock()
 
     def __call__(self, nbytes: int) -> None:
-        self.since += nbytes
-        if self.since >= self.budget:
+        with self._lock:
+            self.since += nbytes
+            due = self.since >= self.budget
+            if due:
+                self.since = 0
+        if due:
             return_free_heap()
-            self.since = 0

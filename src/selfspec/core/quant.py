@@ -1227,8 +1227,8 @@ def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight
             whole = [None if p is None else torch.from_numpy(hugepages.empty(m * (n // 16), p.numpy().dtype))
                      for p, m in zip(part, per, strict=True)]  # fmt: skip
         for out, p, m in zip(whole, part, per, strict=True):
-            if out is not None:
-                out[r0 // 16 * m : (r0 + rows) // 16 * m] = p.reshape(-1)
+            if out is not None:  # numpy's copy: torch's would run an OpenMP team of a loader's thread
+                out.numpy()[r0 // 16 * m : (r0 + rows) // 16 * m] = p.numpy().reshape(-1)
     codes, scale, minv = whole
     blocks = (n // 16, k // group, 16) if scale.dtype != torch.uint8 else (n // 16, -1)  # (sub-scales: flat)
     return QuantWeight.from_x16(fmt, n, k, group, (codes, scale.reshape(blocks), None if minv is None else
@@ -1287,15 +1287,33 @@ class MappedTable:
         return qw if self._perm is None else qw.permute_rows(self._perm)
 
 
+_READ_LOCK = threading.Lock()
+
+
+def read_at(f, offset: int, buf: np.ndarray) -> int:
+    """Bytes of the open file ``f`` from ``offset`` into ``buf``; how many were read.  Safe from several threads
+    at once (a positioned read where the system has one, else seek and read under a lock)."""
+    if hasattr(os, "preadv"):
+        view, done = memoryview(buf).cast("B"), 0
+        while done < len(view):
+            got = os.preadv(f.fileno(), [view[done:]], offset + done)
+            if got <= 0:
+                break
+            done += got
+        return done
+    with _READ_LOCK:
+        f.seek(offset)
+        return f.readinto(memoryview(buf)) or 0
+
+
 def _chunk_reader(data, row_bytes: int, rows: int):
     """``read(first_row, count)`` -> raw bytes of those rows, from an array or an open file."""
     if isinstance(data, tuple):
         f, offset = data
 
         def read_file(r0: int, count: int) -> np.ndarray:
-            f.seek(offset + r0 * row_bytes)
             buf = np.empty(count * row_bytes, dtype=np.uint8)
-            if f.readinto(memoryview(buf)) != buf.size:
+            if read_at(f, offset + r0 * row_bytes, buf) != buf.size:
                 raise SelfspecError(f"GGUF file {getattr(f, 'name', '')} is truncated")
             return buf
 
