@@ -503,6 +503,34 @@ def test_a_head_made_packed_is_the_released_repack(kind, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(restored, expected, strict=True))
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("cols", [256, 768])
+def test_k_quants_packed_in_c_are_the_numpy_packs_bytes(kind, cols, monkeypatch):
+    """gguf_repack.c packs Q4_K and Q6_K blocks straight into the interleaved copy (a load's bulk): codes, scale
+    tables and minima byte for byte what the numpy repack and pack_x16 make, over random blocks (every code bit
+    pattern) of several 256-weight blocks a row, in pieces of 16 rows."""
+    from selfspec.core import quant
+
+    if quant._native_repack(kind, cols) is None:
+        pytest.skip("no native kernels here")
+    data = random_blocks(kind, 48, cols, seed=11)
+    calls = []
+    natively = quant._packed_natively
+    monkeypatch.setattr(quant, "_packed_natively", lambda *a: calls.append(a[0]) or natively(*a))
+    monkeypatch.setattr(quant, "CHUNK_BYTES", 1)  # 16 rows a time: three pieces
+    mine = from_gguf(kind, data, 48, cols, packed=True)
+    assert calls == [kind]
+    monkeypatch.setattr(quant, "_NATIVE_REPACK", False)
+    theirs = from_gguf(kind, data, 48, cols, packed=True)
+    assert calls == [kind]
+    form = [(w.fmt, w.group, w.x16_bits, w.nbytes) for w in (mine, theirs)]
+    assert form[0] == form[1]
+    for a, b in zip(mine.x16(), theirs.x16(), strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a.reshape(-1), b.reshape(-1)))
+    ids = torch.tensor([0, 17, 47])
+    assert torch.equal(mine.rows(ids), theirs.rows(ids))
+
+
 def test_embedding_lookups_of_recent_tokens_are_the_tables_rows(smollm2):
     """Short lookups (a decoding step's ids) go through the decoded rows of recent tokens: bit for bit the
     table's rows, a new tensor each call (callers may write into it), the rows kept bounded."""

@@ -66,7 +66,7 @@ from . import hugepages, kernels
 SOURCE = Path(__file__).with_name("quant_kernels.c")
 SOURCES = (SOURCE, Path(__file__).with_name("fused_decoder.c"),  # one library: the fused layers call the products
            Path(__file__).with_name("prefill_gemm.c"), Path(__file__).with_name("prompt_gemm.c"),
-           Path(__file__).with_name("int8_kernels.c"))  # fmt: skip
+           Path(__file__).with_name("int8_kernels.c"), Path(__file__).with_name("gguf_repack.c"))  # fmt: skip
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 ISA_ENV = "SELFSPEC_ISA"  # native (default) | avxvnni | avx2 | portable: which x86 vector code the build may use
 ISA_FLAGS = {"native": (), "avxvnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni"),
@@ -383,6 +383,10 @@ def native() -> ctypes.CDLL:
             lib.selfspec_prompt_gemm.argtypes = [ctypes.c_int, n, n, n, n, p, p, p, p, p, p]
             lib.selfspec_prompt_gemm.restype = ctypes.c_int
             lib.selfspec_linear_x16.argtypes = [ctypes.c_int, n, n, n, n, p, p, p, p, p, p]
+            lib.selfspec_repack_q4k.argtypes = [n, n, p, p, p, p]
+            lib.selfspec_repack_q4k.restype = None
+            lib.selfspec_repack_q6k.argtypes = [n, n, p, p, p]
+            lib.selfspec_repack_q6k.restype = None
             lib.selfspec_linear_x16.restype = ctypes.c_int
             lib.selfspec_int8_kernels.restype = ctypes.c_int
             lib.selfspec_set_int8_prefetch.argtypes = [n]
@@ -1203,10 +1207,56 @@ def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: b
     return qw
 
 
+NATIVE_REPACK_ENV = "SELFSPEC_NATIVE_REPACK"  # 0: the K-quants' copies made by the numpy repack, as every type's (A/B)
+_NATIVE_REPACK = os.environ.get(NATIVE_REPACK_ENV, "1").strip() != "0"
+# the types gguf_repack.c packs: (fmt, group, form bits, codes' bytes per group of 16 rows, minima stored)
+NATIVE_REPACKS = {"Q4_K": ("q4", 32, 4, 256, True), "Q6_K": ("q8", 16, 6, 192, False)}
+
+
+def _native_repack(kind: str, k: int):
+    """The C function that packs ``kind``'s blocks with rows of ``k`` weights into the interleaved copy as
+    :func:`pack_x16` would (gguf_repack.c), or None: another type, the sub-scale or compact forms off, rows not of
+    whole 256-weight blocks, no native library."""
+    if not (_NATIVE_REPACK and kind in NATIVE_REPACKS and _SUB_SCALES and k % 256 == 0):
+        return None
+    if kind == "Q6_K" and not _COMPACT:
+        return None
+    try:
+        lib = native()
+    except NativeUnavailable:
+        return None
+    return lib.selfspec_repack_q4k if kind == "Q4_K" else lib.selfspec_repack_q6k
+
+
+def _packed_natively(kind: str, repack, read, n: int, k: int, step: int) -> QuantWeight:
+    """:func:`_packed_from_gguf` by gguf_repack.c: the file's blocks straight into the copy, ``step`` rows at a
+    time, with the GIL released (the loader's threads run at once)."""
+    fmt, group, bits, group_bytes, minima = NATIVE_REPACKS[kind]
+    per_block = k // group * group_bytes  # codes' bytes per block of 16 rows
+    table = k // group * 16 + k // 256 * 32
+    codes = hugepages.empty(n // 16 * per_block, np.uint8)
+    scale = hugepages.empty((n // 16, table), np.uint8)
+    minv = hugepages.empty((n // 16, table), np.uint8) if minima else None
+    for r0 in range(0, n, step):
+        rows = min(step, n - r0)
+        raw = np.ascontiguousarray(read(r0, rows))
+        b = r0 // 16
+        out = (codes[b * per_block :].ctypes.data, scale[b:].ctypes.data)
+        if minv is not None:
+            repack(rows // 16, k, raw.ctypes.data, *out, minv[b:].ctypes.data)
+        else:
+            repack(rows // 16, k, raw.ctypes.data, *out)
+    packed = (torch.from_numpy(codes), torch.from_numpy(scale), None if minv is None else torch.from_numpy(minv))
+    return QuantWeight.from_x16(fmt, n, k, group, packed, kind, bits)
+
+
 def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight | None:
     """The weight made as its interleaved copy alone, ``step`` rows (a multiple of 16) at a time: each block of 16
     rows packs on its own, so the pieces are the whole weight's copy; None for a q8 form with minima (its copy
-    does not hold it exactly)."""
+    does not hold it exactly).  Q4_K and Q6_K in C where it builds (:func:`_native_repack`), the same bytes."""
+    repack = _native_repack(kind, k)
+    if repack is not None:
+        return _packed_natively(kind, repack, read, n, k, step)
     whole: list[torch.Tensor | None] = []
     fmt, group = "", 0
     for r0 in range(0, n, step):
