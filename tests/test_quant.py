@@ -503,17 +503,20 @@ def test_a_head_made_packed_is_the_released_repack(kind, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(restored, expected, strict=True))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("kind", "nan"), [("Q4_K", False), ("Q6_K", False), ("Q8_0", False), ("Q8_0", True)])
 @pytest.mark.parametrize("cols", [256, 768])
-def test_k_quants_packed_in_c_are_the_numpy_packs_bytes(kind, cols, monkeypatch):
-    """gguf_repack.c packs Q4_K and Q6_K blocks straight into the interleaved copy (a load's bulk): codes, scale
-    tables and minima byte for byte what the numpy repack and pack_x16 make, over random blocks (every code bit
-    pattern) of several 256-weight blocks a row, in pieces of 16 rows."""
+def test_blocks_packed_in_c_are_the_numpy_packs_bytes(kind, nan, cols, monkeypatch):
+    """gguf_repack.c packs Q4_K, Q6_K and Q8_0 blocks straight into the interleaved copy (a load's bulk): codes,
+    scale tables and minima byte for byte what the numpy repack and pack_x16 make, over random blocks (every code
+    bit pattern) of several 256-weight blocks a row, in pieces of 16 rows.  A NaN scale of Q8_0 (no half equals
+    it, so numpy keeps fp32 scales) sends the weight down the numpy path."""
     from selfspec.core import quant
 
     if quant._native_repack(kind, cols) is None:
         pytest.skip("no native kernels here")
     data = random_blocks(kind, 48, cols, seed=11)
+    if nan:
+        data[30, 34 * 3 : 34 * 3 + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
     calls = []
     natively = quant._packed_natively
     monkeypatch.setattr(quant, "_packed_natively", lambda *a: calls.append(a[0]) or natively(*a))
@@ -525,10 +528,12 @@ def test_k_quants_packed_in_c_are_the_numpy_packs_bytes(kind, cols, monkeypatch)
     assert calls == [kind]
     form = [(w.fmt, w.group, w.x16_bits, w.nbytes) for w in (mine, theirs)]
     assert form[0] == form[1]
-    for a, b in zip(mine.x16(), theirs.x16(), strict=True):
-        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a.reshape(-1), b.reshape(-1)))
-    ids = torch.tensor([0, 17, 47])
-    assert torch.equal(mine.rows(ids), theirs.rows(ids))
+    assert (mine.x16()[1].dtype == torch.float32) == nan
+    for a, b in zip(mine.x16(), theirs.x16(), strict=True):  # (bytes: a NaN equals nothing)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                                b.reshape(-1).view(torch.uint8)))
+    ids = torch.tensor([0, 17, 30, 47])
+    assert np.array_equal(mine.rows(ids).numpy(), theirs.rows(ids).numpy(), equal_nan=True)
 
 
 def test_embedding_lookups_of_recent_tokens_are_the_tables_rows(smollm2):

@@ -93,3 +93,26 @@ void selfspec_repack_q6k(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
         }
     }
 }
+
+/* Blocks of 16 rows [0, nb16) of a Q8_0 weight with rows of K weights -> codes [nb16][K/32][8][16][4] (each code +
+ * 128, as a byte), scales [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN: a NaN is no
+ * half that equals itself, and the numpy pack then keeps the table in fp32 (the caller takes that path). */
+long selfspec_repack_q80(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales) {
+    const long groups = K / 32, row_bytes = groups * 34;
+    long nans = 0;
+    for (long b = 0; b < nb16; b++) {
+        uint8_t *cb = codes + b * groups * 512, *sb = scales + b * groups * 32;
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *row = raw + (b * 16 + r) * row_bytes;
+            for (long g = 0; g < groups; g++) {
+                const uint8_t *blk = row + g * 34;
+                nans += (blk[1] & 0x7C) == 0x7C && ((blk[1] & 3) | blk[0]) != 0;
+                sb[(g * 16 + r) * 2] = blk[0];
+                sb[(g * 16 + r) * 2 + 1] = blk[1];
+                uint8_t *out = cb + g * 512 + r * 4;
+                for (int k = 0; k < 32; k++) out[(k >> 2) * 64 + (k & 3)] = blk[2 + k] ^ 0x80;
+            }
+        }
+    }
+    return nans;
+}

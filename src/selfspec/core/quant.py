@@ -387,6 +387,8 @@ def native() -> ctypes.CDLL:
             lib.selfspec_repack_q4k.restype = None
             lib.selfspec_repack_q6k.argtypes = [n, n, p, p, p]
             lib.selfspec_repack_q6k.restype = None
+            lib.selfspec_repack_q80.argtypes = [n, n, p, p, p]
+            lib.selfspec_repack_q80.restype = n
             lib.selfspec_linear_x16.restype = ctypes.c_int
             lib.selfspec_int8_kernels.restype = ctypes.c_int
             lib.selfspec_set_int8_prefetch.argtypes = [n]
@@ -1210,30 +1212,33 @@ def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: b
 NATIVE_REPACK_ENV = "SELFSPEC_NATIVE_REPACK"  # 0: the K-quants' copies made by the numpy repack, as every type's (A/B)
 _NATIVE_REPACK = os.environ.get(NATIVE_REPACK_ENV, "1").strip() != "0"
 # the types gguf_repack.c packs: (fmt, group, form bits, codes' bytes per group of 16 rows, minima stored)
-NATIVE_REPACKS = {"Q4_K": ("q4", 32, 4, 256, True), "Q6_K": ("q8", 16, 6, 192, False)}
+NATIVE_REPACKS = {"Q4_K": ("q4", 32, 4, 256, True), "Q6_K": ("q8", 16, 6, 192, False),
+                  "Q8_0": ("q8", 32, 8, 512, False)}  # fmt: skip
 
 
 def _native_repack(kind: str, k: int):
     """The C function that packs ``kind``'s blocks with rows of ``k`` weights into the interleaved copy as
-    :func:`pack_x16` would (gguf_repack.c), or None: another type, the sub-scale or compact forms off, rows not of
-    whole 256-weight blocks, no native library."""
-    if not (_NATIVE_REPACK and kind in NATIVE_REPACKS and _SUB_SCALES and k % 256 == 0):
+    :func:`pack_x16` would (gguf_repack.c), or None: another type, a K-quant with the sub-scale or compact forms
+    off or rows not of whole 256-weight blocks, no native library."""
+    if not _NATIVE_REPACK or kind not in NATIVE_REPACKS or k % 32:
         return None
-    if kind == "Q6_K" and not _COMPACT:
+    if kind != "Q8_0" and not (_SUB_SCALES and k % 256 == 0 and (kind == "Q4_K" or _COMPACT)):
         return None
     try:
         lib = native()
     except NativeUnavailable:
         return None
-    return lib.selfspec_repack_q4k if kind == "Q4_K" else lib.selfspec_repack_q6k
+    return {"Q4_K": lib.selfspec_repack_q4k, "Q6_K": lib.selfspec_repack_q6k, "Q8_0": lib.selfspec_repack_q80}[kind]
 
 
-def _packed_natively(kind: str, repack, read, n: int, k: int, step: int) -> QuantWeight:
+def _packed_natively(kind: str, repack, read, n: int, k: int, step: int) -> QuantWeight | None:
     """:func:`_packed_from_gguf` by gguf_repack.c: the file's blocks straight into the copy, ``step`` rows at a
-    time, with the GIL released (the loader's threads run at once)."""
+    time, with the GIL released (the loader's threads run at once); None where a Q8_0 scale is NaN (the numpy
+    pack then keeps fp32 scales: that path makes the weight)."""
     fmt, group, bits, group_bytes, minima = NATIVE_REPACKS[kind]
     per_block = k // group * group_bytes  # codes' bytes per block of 16 rows
-    table = k // group * 16 + k // 256 * 32
+    halves = kind == "Q8_0"  # a half per group and row; the K-quants' sub-scale tables: a byte, then their halves
+    table = k // group * 32 if halves else k // group * 16 + k // 256 * 32
     codes = hugepages.empty(n // 16 * per_block, np.uint8)
     scale = hugepages.empty((n // 16, table), np.uint8)
     minv = hugepages.empty((n // 16, table), np.uint8) if minima else None
@@ -1244,19 +1249,22 @@ def _packed_natively(kind: str, repack, read, n: int, k: int, step: int) -> Quan
         out = (codes[b * per_block :].ctypes.data, scale[b:].ctypes.data)
         if minv is not None:
             repack(rows // 16, k, raw.ctypes.data, *out, minv[b:].ctypes.data)
-        else:
-            repack(rows // 16, k, raw.ctypes.data, *out)
-    packed = (torch.from_numpy(codes), torch.from_numpy(scale), None if minv is None else torch.from_numpy(minv))
+        elif repack(rows // 16, k, raw.ctypes.data, *out):
+            return None
+    scale_t = torch.from_numpy(scale.view(np.float16).reshape(n // 16, k // group, 16) if halves else scale)
+    packed = (torch.from_numpy(codes), scale_t, None if minv is None else torch.from_numpy(minv))
     return QuantWeight.from_x16(fmt, n, k, group, packed, kind, bits)
 
 
 def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight | None:
     """The weight made as its interleaved copy alone, ``step`` rows (a multiple of 16) at a time: each block of 16
     rows packs on its own, so the pieces are the whole weight's copy; None for a q8 form with minima (its copy
-    does not hold it exactly).  Q4_K and Q6_K in C where it builds (:func:`_native_repack`), the same bytes."""
+    does not hold it exactly).  Q4_K, Q6_K and Q8_0 in C where it builds (:func:`_native_repack`), the same bytes."""
     repack = _native_repack(kind, k)
     if repack is not None:
-        return _packed_natively(kind, repack, read, n, k, step)
+        qw = _packed_natively(kind, repack, read, n, k, step)
+        if qw is not None:
+            return qw
     whole: list[torch.Tensor | None] = []
     fmt, group = "", 0
     for r0 in range(0, n, step):
