@@ -503,20 +503,22 @@ def test_a_head_made_packed_is_the_released_repack(kind, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(restored, expected, strict=True))
 
 
-@pytest.mark.parametrize(("kind", "nan"), [("Q4_K", False), ("Q6_K", False), ("Q8_0", False), ("Q8_0", True)])
+@pytest.mark.parametrize(("kind", "nan"), [("Q4_K", False), ("Q5_K", False), ("Q6_K", False), ("Q8_0", False),
+                                          ("Q8_0", True), ("Q5_0", False), ("Q5_0", True)])
 @pytest.mark.parametrize("cols", [256, 768])
 def test_blocks_packed_in_c_are_the_numpy_packs_bytes(kind, nan, cols, monkeypatch):
-    """gguf_repack.c packs Q4_K, Q6_K and Q8_0 blocks straight into the interleaved copy (a load's bulk): codes,
+    """gguf_repack.c packs Q4_K, Q5_K, Q6_K, Q5_0 and Q8_0 blocks straight into the interleaved copy: codes,
     scale tables and minima byte for byte what the numpy repack and pack_x16 make, over random blocks (every code
-    bit pattern) of several 256-weight blocks a row, in pieces of 16 rows.  A NaN scale of Q8_0 (no half equals
-    it, so numpy keeps fp32 scales) sends the weight down the numpy path."""
+    bit pattern) of several 256-weight blocks a row, in pieces of 16 rows.  A NaN half scale (Q8_0, Q5_0: no half
+    equals it, so numpy keeps fp32 scales) sends the weight down the numpy path."""
     from selfspec.core import quant
 
     if quant._native_repack(kind, cols) is None:
         pytest.skip("no native kernels here")
     data = random_blocks(kind, 48, cols, seed=11)
     if nan:
-        data[30, 34 * 3 : 34 * 3 + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+        size = {"Q8_0": 34, "Q5_0": 22}[kind]  # a block's bytes; its half scale first
+        data[30, size * 3 : size * 3 + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
     calls = []
     natively = quant._packed_natively
     monkeypatch.setattr(quant, "_packed_natively", lambda *a: calls.append(a[0]) or natively(*a))

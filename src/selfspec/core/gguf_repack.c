@@ -116,3 +116,66 @@ long selfspec_repack_q80(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
     }
     return nans;
 }
+
+/* One row's group of 32 codes u (0..31) in the compact 5-bit form at out (its group's bytes of 16 rows, this row's
+ * place in them): 4 words of [16 rows][4 bytes] of nibbles (byte 4j + i: code 4j + i low, code 4j + i + 16 high),
+ * then [16 rows][4 bytes] of high bits (byte i: the fifth bit of code 4j + i at bit j) */
+static inline void compact5(const uint8_t *u, uint8_t *out) {
+    for (int t = 0; t < 16; t++) out[(t >> 2) * 64 + (t & 3)] = (uint8_t)((u[t] & 15) | ((u[t + 16] & 15) << 4));
+    for (int i = 0; i < 4; i++) {
+        uint8_t hb = 0;
+        for (int j = 0; j < 8; j++) hb |= (uint8_t)((u[4 * j + i] >> 4) << j);
+        out[256 + i] = hb;
+    }
+}
+
+/* Blocks of 16 rows [0, nb16) of a Q5_K weight -> codes [nb16][K/32][320], scales and minima as Q4_K's */
+void selfspec_repack_q5k(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales, uint8_t *minima) {
+    const long supers = K / 256, groups = K / 32, row_bytes = supers * 176, table = groups * 16 + supers * 32;
+    for (long b = 0; b < nb16; b++) {
+        uint8_t *cb = codes + b * groups * 320, *sb = scales + b * table, *mb = minima + b * table;
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *row = raw + (b * 16 + r) * row_bytes;
+            for (long s = 0; s < supers; s++) {
+                const uint8_t *blk = row + s * 176, *qh = blk + 16, *qs = blk + 48;
+                sb[groups * 16 + (s * 16 + r) * 2] = blk[0];
+                sb[groups * 16 + (s * 16 + r) * 2 + 1] = blk[1];
+                mb[groups * 16 + (s * 16 + r) * 2] = blk[2];
+                mb[groups * 16 + (s * 16 + r) * 2 + 1] = blk[3] ^ 0x80;
+                for (int j = 0; j < 8; j++) {
+                    q4k_scale_min(blk + 4, j, &sb[(s * 8 + j) * 16 + r], &mb[(s * 8 + j) * 16 + r]);
+                    uint8_t u[32]; /* sub-block j: nibbles of bytes (j / 2) * 32 + l (low for even j), bit j of qh */
+                    for (int l = 0; l < 32; l++) {
+                        const uint8_t q = qs[(j >> 1) * 32 + l];
+                        u[l] = (uint8_t)(((j & 1) ? q >> 4 : q & 15) | (((qh[l] >> j) & 1) << 4));
+                    }
+                    compact5(u, cb + (s * 8 + j) * 320 + r * 4);
+                }
+            }
+        }
+    }
+}
+
+/* Blocks of 16 rows [0, nb16) of a Q5_0 weight -> codes [nb16][K/32][320] (each code + 16), scales
+ * [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN (see selfspec_repack_q80). */
+long selfspec_repack_q50(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales) {
+    const long groups = K / 32, row_bytes = groups * 22;
+    long nans = 0;
+    for (long b = 0; b < nb16; b++) {
+        uint8_t *cb = codes + b * groups * 320, *sb = scales + b * groups * 32;
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *row = raw + (b * 16 + r) * row_bytes;
+            for (long g = 0; g < groups; g++) {
+                const uint8_t *blk = row + g * 22, *qh = blk + 2, *qs = blk + 6;
+                nans += (blk[1] & 0x7C) == 0x7C && ((blk[1] & 3) | blk[0]) != 0;
+                sb[(g * 16 + r) * 2] = blk[0];
+                sb[(g * 16 + r) * 2 + 1] = blk[1];
+                uint8_t u[32]; /* element e: a nibble of byte e % 16 (low for e < 16), bit e of qh */
+                for (int e = 0; e < 32; e++)
+                    u[e] = (uint8_t)((e < 16 ? qs[e] & 15 : qs[e - 16] >> 4) | (((qh[e >> 3] >> (e & 7)) & 1) << 4));
+                compact5(u, cb + g * 320 + r * 4);
+            }
+        }
+    }
+    return nans;
+}

@@ -389,6 +389,10 @@ def native() -> ctypes.CDLL:
             lib.selfspec_repack_q6k.restype = None
             lib.selfspec_repack_q80.argtypes = [n, n, p, p, p]
             lib.selfspec_repack_q80.restype = n
+            lib.selfspec_repack_q50.argtypes = [n, n, p, p, p]
+            lib.selfspec_repack_q50.restype = n
+            lib.selfspec_repack_q5k.argtypes = [n, n, p, p, p, p]
+            lib.selfspec_repack_q5k.restype = None
             lib.selfspec_linear_x16.restype = ctypes.c_int
             lib.selfspec_int8_kernels.restype = ctypes.c_int
             lib.selfspec_set_int8_prefetch.argtypes = [n]
@@ -1212,8 +1216,9 @@ def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: b
 NATIVE_REPACK_ENV = "SELFSPEC_NATIVE_REPACK"  # 0: the K-quants' copies made by the numpy repack, as every type's (A/B)
 _NATIVE_REPACK = os.environ.get(NATIVE_REPACK_ENV, "1").strip() != "0"
 # the types gguf_repack.c packs: (fmt, group, form bits, codes' bytes per group of 16 rows, minima stored)
-NATIVE_REPACKS = {"Q4_K": ("q4", 32, 4, 256, True), "Q6_K": ("q8", 16, 6, 192, False),
-                  "Q8_0": ("q8", 32, 8, 512, False)}  # fmt: skip
+NATIVE_REPACKS = {"Q4_K": ("q4", 32, 4, 256, True), "Q5_K": ("q8", 32, 5, 320, True), "Q6_K": ("q8", 16, 6, 192, False),
+                  "Q8_0": ("q8", 32, 8, 512, False), "Q5_0": ("q8", 32, 5, 320, False)}  # fmt: skip
+HALF_SCALED = ("Q8_0", "Q5_0")  # (their copies' scales: the file's halves; the K-quants': sub-scale tables)
 
 
 def _native_repack(kind: str, k: int):
@@ -1222,22 +1227,24 @@ def _native_repack(kind: str, k: int):
     off or rows not of whole 256-weight blocks, no native library."""
     if not _NATIVE_REPACK or kind not in NATIVE_REPACKS or k % 32:
         return None
-    if kind != "Q8_0" and not (_SUB_SCALES and k % 256 == 0 and (kind == "Q4_K" or _COMPACT)):
+    if NATIVE_REPACKS[kind][2] != 8 and kind != "Q4_K" and not _COMPACT:  # (compact 5- and 6-bit codes)
+        return None
+    if kind not in HALF_SCALED and not (_SUB_SCALES and k % 256 == 0):
         return None
     try:
         lib = native()
     except NativeUnavailable:
         return None
-    return {"Q4_K": lib.selfspec_repack_q4k, "Q6_K": lib.selfspec_repack_q6k, "Q8_0": lib.selfspec_repack_q80}[kind]
+    return getattr(lib, f"selfspec_repack_{kind.lower().replace('_', '')}")
 
 
 def _packed_natively(kind: str, repack, read, n: int, k: int, step: int) -> QuantWeight | None:
     """:func:`_packed_from_gguf` by gguf_repack.c: the file's blocks straight into the copy, ``step`` rows at a
-    time, with the GIL released (the loader's threads run at once); None where a Q8_0 scale is NaN (the numpy
+    time, with the GIL released (the loader's threads run at once); None where a half scale is NaN (the numpy
     pack then keeps fp32 scales: that path makes the weight)."""
     fmt, group, bits, group_bytes, minima = NATIVE_REPACKS[kind]
     per_block = k // group * group_bytes  # codes' bytes per block of 16 rows
-    halves = kind == "Q8_0"  # a half per group and row; the K-quants' sub-scale tables: a byte, then their halves
+    halves = kind in HALF_SCALED  # a half per group and row; the K-quants' sub-scale tables: a byte, then their halves
     table = k // group * 32 if halves else k // group * 16 + k // 256 * 32
     codes = hugepages.empty(n // 16 * per_block, np.uint8)
     scale = hugepages.empty((n // 16, table), np.uint8)
@@ -1259,7 +1266,8 @@ def _packed_natively(kind: str, repack, read, n: int, k: int, step: int) -> Quan
 def _packed_from_gguf(kind: str, read, n: int, k: int, step: int) -> QuantWeight | None:
     """The weight made as its interleaved copy alone, ``step`` rows (a multiple of 16) at a time: each block of 16
     rows packs on its own, so the pieces are the whole weight's copy; None for a q8 form with minima (its copy
-    does not hold it exactly).  Q4_K, Q6_K and Q8_0 in C where it builds (:func:`_native_repack`), the same bytes."""
+    does not hold it exactly).  Q4_K, Q5_K, Q6_K, Q5_0 and Q8_0 in C where it builds (:func:`_native_repack`), the
+    same bytes."""
     repack = _native_repack(kind, k)
     if repack is not None:
         qw = _packed_natively(kind, repack, read, n, k, step)
