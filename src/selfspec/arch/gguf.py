@@ -269,7 +269,7 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                     if mapped:
                         quantised[module_path] = _mapped(f, kind, shape, offset, nbytes, None if identity else perm)
                     else:
-                        pending.append((module_path, pool.submit(_repacked, f, kind, shape, offset, nbytes, trim,
+                        pending.append((module_path, pool.submit(_repacked, path, kind, shape, offset, nbytes, trim,
                                                                  packed=packed and identity),
                                         None if identity else perm))  # fmt: skip
                     summary["kept"][kind] = summary["kept"].get(kind, 0) + 1
@@ -427,13 +427,15 @@ def _shut_down_on_exit(pool: ThreadPoolExecutor):
     pool.shutdown(wait=True)
 
 
-def _repacked(f, kind: str, shape: tuple[int, ...], offset: int, nbytes: int, trim: HeapTrimmer, *,
+def _repacked(path: Path, kind: str, shape: tuple[int, ...], offset: int, nbytes: int, trim: HeapTrimmer, *,
               packed: bool) -> QuantWeight:  # fmt: skip
-    """A weight kept quantised, repacked into memory from the open file ``f`` (with ``packed``, as its interleaved
+    """A weight kept quantised, repacked into memory from the file ``path`` (with ``packed``, as its interleaved
     copy for int8 products alone where it can be), then the heap trimmed after every so many bytes of them.  Runs
-    on a loader thread, beside others: numpy's work and positioned reads only (a torch operator there would start
-    an OpenMP team of that thread's, see :mod:`selfspec.core.native_thread`)."""
-    qw = from_gguf(kind, (f, offset), shape[1], shape[0], packed=packed)
+    on a loader thread, beside others: its own handle of the file (no other thread moves its position), numpy's
+    work and C calls only (a torch operator there would start an OpenMP team of that thread's, see
+    :mod:`selfspec.core.native_thread`)."""
+    with path.open("rb") as f:
+        qw = from_gguf(kind, (f, offset), shape[1], shape[0], packed=packed)
     assert qw is not None
     trim(nbytes)
     return qw
