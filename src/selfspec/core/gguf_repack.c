@@ -94,9 +94,16 @@ void selfspec_repack_q6k(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
     }
 }
 
+/* A block's half scale h (its two bytes as stored) to at; 1 where it is a NaN (no half equals it, and the numpy
+ * pack then keeps the weight's table in fp32: the caller takes that path), else 0 */
+static inline long half_scale(const uint8_t *h, uint8_t *at) {
+    at[0] = h[0];
+    at[1] = h[1];
+    return (h[1] & 0x7C) == 0x7C && ((h[1] & 3) | h[0]) != 0;
+}
+
 /* Blocks of 16 rows [0, nb16) of a Q8_0 weight with rows of K weights -> codes [nb16][K/32][8][16][4] (each code +
- * 128, as a byte), scales [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN: a NaN is no
- * half that equals itself, and the numpy pack then keeps the table in fp32 (the caller takes that path). */
+ * 128, as a byte), scales [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN. */
 long selfspec_repack_q80(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales) {
     const long groups = K / 32, row_bytes = groups * 34;
     long nans = 0;
@@ -106,9 +113,7 @@ long selfspec_repack_q80(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
             const uint8_t *row = raw + (b * 16 + r) * row_bytes;
             for (long g = 0; g < groups; g++) {
                 const uint8_t *blk = row + g * 34;
-                nans += (blk[1] & 0x7C) == 0x7C && ((blk[1] & 3) | blk[0]) != 0;
-                sb[(g * 16 + r) * 2] = blk[0];
-                sb[(g * 16 + r) * 2 + 1] = blk[1];
+                nans += half_scale(blk, sb + (g * 16 + r) * 2);
                 uint8_t *out = cb + g * 512 + r * 4;
                 for (int k = 0; k < 32; k++) out[(k >> 2) * 64 + (k & 3)] = blk[2 + k] ^ 0x80;
             }
@@ -157,7 +162,7 @@ void selfspec_repack_q5k(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
 }
 
 /* Blocks of 16 rows [0, nb16) of a Q5_0 weight -> codes [nb16][K/32][320] (each code + 16), scales
- * [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN (see selfspec_repack_q80). */
+ * [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN. */
 long selfspec_repack_q50(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales) {
     const long groups = K / 32, row_bytes = groups * 22;
     long nans = 0;
@@ -167,9 +172,7 @@ long selfspec_repack_q50(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
             const uint8_t *row = raw + (b * 16 + r) * row_bytes;
             for (long g = 0; g < groups; g++) {
                 const uint8_t *blk = row + g * 22, *qh = blk + 2, *qs = blk + 6;
-                nans += (blk[1] & 0x7C) == 0x7C && ((blk[1] & 3) | blk[0]) != 0;
-                sb[(g * 16 + r) * 2] = blk[0];
-                sb[(g * 16 + r) * 2 + 1] = blk[1];
+                nans += half_scale(blk, sb + (g * 16 + r) * 2);
                 uint8_t u[32]; /* element e: a nibble of byte e % 16 (low for e < 16), bit e of qh */
                 for (int e = 0; e < 32; e++)
                     u[e] = (uint8_t)((e < 16 ? qs[e] & 15 : qs[e - 16] >> 4) | (((qh[e >> 3] >> (e & 7)) & 1) << 4));
