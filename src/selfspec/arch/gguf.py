@@ -281,6 +281,7 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                                        parsed_parameters={"tensors": {}}).weights  # fmt: skip
             module._parameters[attr] = nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)),
                                                     requires_grad=False)  # fmt: skip
+            trim(nbytes)
         for module_path, repack, perm in pending:  # (a failed repack raises its error here)
             qw = repack.result()
             quantised[module_path] = qw if perm is None else qw.permute_rows(perm)

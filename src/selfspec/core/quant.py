@@ -1213,7 +1213,7 @@ def from_gguf(kind: str, data, out_features: int, in_features: int, *, packed: b
     return qw
 
 
-NATIVE_REPACK_ENV = "SELFSPEC_NATIVE_REPACK"  # 0: the K-quants' copies made by the numpy repack, as every type's (A/B)
+NATIVE_REPACK_ENV = "SELFSPEC_NATIVE_REPACK"  # 0: every copy made by the numpy repack, not gguf_repack.c (A/B)
 _NATIVE_REPACK = os.environ.get(NATIVE_REPACK_ENV, "1").strip() != "0"
 # the types gguf_repack.c packs: (fmt, group, form bits, codes' bytes per group of 16 rows, minima stored)
 NATIVE_REPACKS = {"Q4_K": ("q4", 32, 4, 256, True), "Q5_K": ("q8", 32, 5, 320, True), "Q6_K": ("q8", 16, 6, 192, False),
