@@ -134,30 +134,3 @@ def test_tensors_repacked_on_several_loader_threads_are_the_weights_one_thread_m
         monkeypatch.setattr(gguf, "loader_threads", lambda n=threads: n)
         digests.append(_weights_digest(load(name)))
     assert digests[0] == digests[1]
-
-
-@pytest.mark.parametrize("positioned", [True, False])
-def test_read_at_reads_the_bytes_at_an_offset_from_several_threads(positioned, tmp_path, monkeypatch):
-    """read_at: the file's bytes at an offset whichever thread reads, with a positioned read or (where the system
-    has none) seek and read under a lock; a read past the end returns what there was."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
-    from selfspec.core import quant
-
-    data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
-    path = tmp_path / "blob"
-    path.write_bytes(data.tobytes())
-    if not positioned:
-        monkeypatch.delattr(quant.os, "preadv", raising=False)
-
-    def read(offset: int) -> bool:
-        buf = np.empty(4096, dtype=np.uint8)
-        return quant.read_at(f, offset, buf) == buf.size and np.array_equal(buf, data[offset : offset + 4096])
-
-    with path.open("rb") as f, ThreadPoolExecutor(4) as pool:
-        assert all(pool.map(read, range(0, data.size - 4096, 1000)))
-        tail = np.empty(4096, dtype=np.uint8)
-        assert quant.read_at(f, data.size - 100, tail) == 100
-        assert np.array_equal(tail[:100], data[-100:])

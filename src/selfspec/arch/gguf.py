@@ -47,7 +47,6 @@ from ..core.quant import (
     from_gguf,
     int8_activations,
     prefill_kernel,
-    read_at,
     repackable,
 )
 from ..errors import SelfspecError, UnsupportedModelError
@@ -197,8 +196,9 @@ def _read_header(path: Path) -> tuple[str, list[tuple[str, str, tuple[int, ...],
 
 
 def _raw(f, offset: int, nbytes: int) -> np.ndarray:
+    f.seek(offset)
     buf = np.empty(nbytes, dtype=np.uint8)
-    if read_at(f, offset, buf) != nbytes:
+    if f.readinto(memoryview(buf)) != nbytes:
         raise SelfspecError(f"GGUF file {f.name} is truncated")
     return buf
 

@@ -30,6 +30,16 @@ static inline void q4k_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *
     }
 }
 
+/* Row r's entries for 256-weight block s (bytes blk: d, dmin, the 12 bytes of scales and minima, as Q4_K and Q5_K
+ * store them) in its block of 16 rows' scale table sb and minimum table mb (groups: K/32) */
+static inline void k_tables(const uint8_t *blk, long s, int r, long groups, uint8_t *sb, uint8_t *mb) {
+    sb[groups * 16 + (s * 16 + r) * 2] = blk[0]; /* d, as stored */
+    sb[groups * 16 + (s * 16 + r) * 2 + 1] = blk[1];
+    mb[groups * 16 + (s * 16 + r) * 2] = blk[2]; /* -dmin: the half's sign flipped */
+    mb[groups * 16 + (s * 16 + r) * 2 + 1] = blk[3] ^ 0x80;
+    for (int j = 0; j < 8; j++) q4k_scale_min(blk + 4, j, &sb[(s * 8 + j) * 16 + r], &mb[(s * 8 + j) * 16 + r]);
+}
+
 /* Blocks of 16 rows [0, nb16) of a Q4_K weight with rows of K weights (raw: the rows' blocks in file order) ->
  * codes [nb16][K/32][4][16][4], scales and minima [nb16][K/32 * 16 + K/256 * 32] */
 void selfspec_repack_q4k(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales, uint8_t *minima) {
@@ -40,11 +50,7 @@ void selfspec_repack_q4k(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
             const uint8_t *row = raw + (b * 16 + r) * row_bytes;
             for (long s = 0; s < supers; s++) {
                 const uint8_t *blk = row + s * Q4K_BYTES, *q = blk + 16;
-                sb[groups * 16 + (s * 16 + r) * 2] = blk[0]; /* d, as stored */
-                sb[groups * 16 + (s * 16 + r) * 2 + 1] = blk[1];
-                mb[groups * 16 + (s * 16 + r) * 2] = blk[2]; /* -dmin: the half's sign flipped */
-                mb[groups * 16 + (s * 16 + r) * 2 + 1] = blk[3] ^ 0x80;
-                for (int j = 0; j < 8; j++) q4k_scale_min(blk + 4, j, &sb[(s * 8 + j) * 16 + r], &mb[(s * 8 + j) * 16 + r]);
+                k_tables(blk, s, r, groups, sb, mb);
                 for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high */
                     const uint8_t *qc = q + c * 32;
                     uint8_t *lo = cb + (s * 8 + 2 * c) * 256 + r * 4, *hi = lo + 256;
@@ -102,26 +108,6 @@ static inline long half_scale(const uint8_t *h, uint8_t *at) {
     return (h[1] & 0x7C) == 0x7C && ((h[1] & 3) | h[0]) != 0;
 }
 
-/* Blocks of 16 rows [0, nb16) of a Q8_0 weight with rows of K weights -> codes [nb16][K/32][8][16][4] (each code +
- * 128, as a byte), scales [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN. */
-long selfspec_repack_q80(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales) {
-    const long groups = K / 32, row_bytes = groups * 34;
-    long nans = 0;
-    for (long b = 0; b < nb16; b++) {
-        uint8_t *cb = codes + b * groups * 512, *sb = scales + b * groups * 32;
-        for (int r = 0; r < 16; r++) {
-            const uint8_t *row = raw + (b * 16 + r) * row_bytes;
-            for (long g = 0; g < groups; g++) {
-                const uint8_t *blk = row + g * 34;
-                nans += half_scale(blk, sb + (g * 16 + r) * 2);
-                uint8_t *out = cb + g * 512 + r * 4;
-                for (int k = 0; k < 32; k++) out[(k >> 2) * 64 + (k & 3)] = blk[2 + k] ^ 0x80;
-            }
-        }
-    }
-    return nans;
-}
-
 /* One row's group of 32 codes u (0..31) in the compact 5-bit form at out (its group's bytes of 16 rows, this row's
  * place in them): 4 words of [16 rows][4 bytes] of nibbles (byte 4j + i: code 4j + i low, code 4j + i + 16 high),
  * then [16 rows][4 bytes] of high bits (byte i: the fifth bit of code 4j + i at bit j) */
@@ -143,12 +129,8 @@ void selfspec_repack_q5k(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
             const uint8_t *row = raw + (b * 16 + r) * row_bytes;
             for (long s = 0; s < supers; s++) {
                 const uint8_t *blk = row + s * 176, *qh = blk + 16, *qs = blk + 48;
-                sb[groups * 16 + (s * 16 + r) * 2] = blk[0];
-                sb[groups * 16 + (s * 16 + r) * 2 + 1] = blk[1];
-                mb[groups * 16 + (s * 16 + r) * 2] = blk[2];
-                mb[groups * 16 + (s * 16 + r) * 2 + 1] = blk[3] ^ 0x80;
+                k_tables(blk, s, r, groups, sb, mb);
                 for (int j = 0; j < 8; j++) {
-                    q4k_scale_min(blk + 4, j, &sb[(s * 8 + j) * 16 + r], &mb[(s * 8 + j) * 16 + r]);
                     uint8_t u[32]; /* sub-block j: nibbles of bytes (j / 2) * 32 + l (low for even j), bit j of qh */
                     for (int l = 0; l < 32; l++) {
                         const uint8_t q = qs[(j >> 1) * 32 + l];
@@ -161,24 +143,39 @@ void selfspec_repack_q5k(long nb16, long K, const uint8_t *raw, uint8_t *codes, 
     }
 }
 
-/* Blocks of 16 rows [0, nb16) of a Q5_0 weight -> codes [nb16][K/32][320] (each code + 16), scales
- * [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN. */
-long selfspec_repack_q50(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales) {
-    const long groups = K / 32, row_bytes = groups * 22;
+/* Blocks of 16 rows [0, nb16) of a Q8_0 (five: 0) or Q5_0 (five: 1) weight with rows of K weights -> codes
+ * [nb16][K/32][8][16][4] (Q8_0: each code + 128, as a byte) or [nb16][K/32][320] (Q5_0: each code + 16, compact),
+ * scales [nb16][K/32][16] (the halves as stored).  Returns how many scales are NaN. */
+static long half_scaled(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales, const int five) {
+    const long groups = K / 32, block = five ? 22 : 34, group_bytes = five ? 320 : 512, row_bytes = groups * block;
     long nans = 0;
     for (long b = 0; b < nb16; b++) {
-        uint8_t *cb = codes + b * groups * 320, *sb = scales + b * groups * 32;
+        uint8_t *cb = codes + b * groups * group_bytes, *sb = scales + b * groups * 32;
         for (int r = 0; r < 16; r++) {
             const uint8_t *row = raw + (b * 16 + r) * row_bytes;
             for (long g = 0; g < groups; g++) {
-                const uint8_t *blk = row + g * 22, *qh = blk + 2, *qs = blk + 6;
+                const uint8_t *blk = row + g * block;
+                uint8_t *out = cb + g * group_bytes + r * 4;
                 nans += half_scale(blk, sb + (g * 16 + r) * 2);
+                if (!five) {
+                    for (int k = 0; k < 32; k++) out[(k >> 2) * 64 + (k & 3)] = blk[2 + k] ^ 0x80;
+                    continue;
+                }
+                const uint8_t *qh = blk + 2, *qs = blk + 6;
                 uint8_t u[32]; /* element e: a nibble of byte e % 16 (low for e < 16), bit e of qh */
                 for (int e = 0; e < 32; e++)
                     u[e] = (uint8_t)((e < 16 ? qs[e] & 15 : qs[e - 16] >> 4) | (((qh[e >> 3] >> (e & 7)) & 1) << 4));
-                compact5(u, cb + g * 320 + r * 4);
+                compact5(u, out);
             }
         }
     }
     return nans;
+}
+
+long selfspec_repack_q80(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales) {
+    return half_scaled(nb16, K, raw, codes, scales, 0);
+}
+
+long selfspec_repack_q50(long nb16, long K, const uint8_t *raw, uint8_t *codes, uint8_t *scales) {
+    return half_scaled(nb16, K, raw, codes, scales, 1);
 }

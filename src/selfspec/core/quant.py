@@ -1353,33 +1353,15 @@ class MappedTable:
         return qw if self._perm is None else qw.permute_rows(self._perm)
 
 
-_READ_LOCK = threading.Lock()
-
-
-def read_at(f, offset: int, buf: np.ndarray) -> int:
-    """Bytes of the open file ``f`` from ``offset`` into ``buf``; how many were read.  Safe from several threads
-    at once (a positioned read where the system has one, else seek and read under a lock)."""
-    if hasattr(os, "preadv"):
-        view, done = memoryview(buf).cast("B"), 0
-        while done < len(view):
-            got = os.preadv(f.fileno(), [view[done:]], offset + done)
-            if got <= 0:
-                break
-            done += got
-        return done
-    with _READ_LOCK:
-        f.seek(offset)
-        return f.readinto(memoryview(buf)) or 0
-
-
 def _chunk_reader(data, row_bytes: int, rows: int):
     """``read(first_row, count)`` -> raw bytes of those rows, from an array or an open file."""
     if isinstance(data, tuple):
         f, offset = data
 
         def read_file(r0: int, count: int) -> np.ndarray:
+            f.seek(offset + r0 * row_bytes)
             buf = np.empty(count * row_bytes, dtype=np.uint8)
-            if read_at(f, offset + r0 * row_bytes, buf) != buf.size:
+            if f.readinto(memoryview(buf)) != buf.size:
                 raise SelfspecError(f"GGUF file {getattr(f, 'name', '')} is truncated")
             return buf
 
