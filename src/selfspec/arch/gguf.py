@@ -254,7 +254,6 @@ def load_quantized(path: Path, meta_dir: Path) -> tuple[Any, Any, dict]:
                 continue
             module_path, attr = hf_name.rsplit(".", 1)
             module = hf.get_submodule(module_path)
-            qw = None
             if attr == "weight" and len(shape) == 2 and _quantisable(module) and repackable(kind, shape[0]):
                 perm = _row_permutation(processor, name, shape[1], name_map)
                 mapped = untied and isinstance(module, nn.Embedding)  # looked up a row at a time, never multiplied

@@ -1227,7 +1227,8 @@ def _native_repack(kind: str, k: int):
     off or rows not of whole 256-weight blocks, no native library."""
     if not _NATIVE_REPACK or kind not in NATIVE_REPACKS or k % 32:
         return None
-    if NATIVE_REPACKS[kind][2] != 8 and kind != "Q4_K" and not _COMPACT:  # (compact 5- and 6-bit codes)
+    fmt, group, bits, _, minima = NATIVE_REPACKS[kind]
+    if x16_bits(fmt, kind, group, minima) != bits:  # (5- and 6-bit codes: their compact form, unless turned off)
         return None
     if kind not in HALF_SCALED and not (_SUB_SCALES and k % 256 == 0):
         return None
