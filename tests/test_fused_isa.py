@@ -93,3 +93,13 @@ def test_every_build_agrees_on_head_sizes_with_partial_chunks(head_dim, isa_libs
     quantize_linears(model.hf, 8)
     model = selfspec.model_from_hf(model.hf, model.tokenizer, name=f"tiny-llama-4x{head_dim}")
     _assert_builds_agree(model, isa_libs, _modes())
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_every_build_writes_and_reads_8_bit_caches_alike(name, request, isa_libs):
+    """``kv_cache="q8_0"``: each build quantises keys and values to the same 8-bit blocks and reads them back as
+    the same floats (head sizes 64 and 256), so prompt, verification and one-token steps agree bit for bit."""
+    from selfspec.core.quant import kv_cache
+
+    with kv_cache("q8_0"):
+        _assert_builds_agree(request.getfixturevalue(name), isa_libs, _modes())

@@ -8,8 +8,8 @@ import argparse
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype, --kernels, --quantize, --prefill-dtype, --activations: every command that loads a
-    model."""
+    """--model, --device, --dtype, --kernels, --quantize, --prefill-dtype, --activations, --kv-cache: every command
+    that loads a model."""
     p.add_argument("--model", default="smollm2-135m", help="built-in name, HF directory, .gguf file or hub id")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
@@ -27,6 +27,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(auto, default, wherever the native kernels build: 2.5-5x faster products "
                         "of several rows; keys and values then cached as halves, as llama.cpp's default cache) "
                         "or keep them float32 (outputs equal the dequantised model's within rounding)")
+    p.add_argument("--kv-cache", default=None, choices=("auto", "f16", "f32", "q8_0"),
+                   help="quantised weights: how keys and values are cached: auto (default: halves under int8 "
+                        "activations, else float32), f16, f32, or q8_0 (8-bit blocks: 56%% of the halves' bytes, "
+                        "for long contexts and several requests at once; logits move by the codes' rounding)")
 
 
 def load_model(args: argparse.Namespace):
@@ -43,7 +47,8 @@ def load_model(args: argparse.Namespace):
     with waiting:
         return load(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, quantize=args.quantize,
                     prefill_dtype=getattr(args, "prefill_dtype", None),
-                    activations=getattr(args, "activations", None))  # fmt: skip
+                    activations=getattr(args, "activations", None),
+                    kv_cache=getattr(args, "kv_cache", None))  # fmt: skip
 
 
 def spec_bench_categories(categories: str | None, datasets: list[str]) -> list[str] | None:

@@ -621,9 +621,12 @@ def _engine_paths(model) -> dict[str, str]:
     engine = model.engine
     layers = "fused native stack (one C call per pass)" if engine.fused else f"torch modules ({engine.fused_reason})"
     if engine.fused:
+        from ..core.cache import Q8
         from ..core.quant import kv_cache_dtype
 
-        layers += f", keys and values cached as {str(kv_cache_dtype()).replace('torch.', '')}"
+        kv = kv_cache_dtype()
+        layers += ", keys and values cached as " + ("8-bit blocks (q8_0)" if kv == Q8 else
+                                                     str(kv).replace("torch.", ""))  # fmt: skip
     prefill = str(model.adapter.dtype).replace("torch.", "")  # unquantised models prefill in their own dtype
     if model.quantization != "none":
         from ..core.quant import int8_activations, prefill_dtype, prefill_kernel

@@ -12,13 +12,57 @@ model produces, so the cache needs no architecture knowledge.  They hold the
 keys' own dtype, or a storage ``dtype`` fixed when the cache is made (the
 fused CPU stack keeps halves: see :func:`selfspec.core.quant.kv_cache_dtype`);
 a pass computing in another dtype writes rounded entries and reads them back
-widened.
+widened.  A cache of dtype :data:`Q8` (``torch.int8``) holds 8-bit blocks, as
+``fused_decoder.c`` writes and reads them: each 32 values of a head's row as 32
+signed codes and their float32 scale (36 bytes), so its buffers' last dimension
+is :func:`q8_width` of the head size; :func:`q8_encode` and :func:`q8_decode`
+are the same arithmetic in torch, bit for bit.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+
+Q8 = torch.int8  # a cache dtype: 8-bit blocks (module docstring)
+Q8_BLOCK, Q8_BYTES = 32, 36  # values per block; its bytes: the codes, then the scale
+
+
+def q8_width(dim: int) -> int:
+    """The bytes of a ``dim``-value row in 8-bit blocks (``dim`` a multiple of 32)."""
+    if dim % Q8_BLOCK:
+        raise ValueError(f"an 8-bit cache needs head sizes that are multiples of {Q8_BLOCK}, not {dim}")
+    return dim // Q8_BLOCK * Q8_BYTES
+
+
+def q8_encode(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` as 8-bit blocks ``[..., q8_width(D)]`` (int8), as the C code writes them: per 32 values
+    the scale d = max |x| / 127 and the codes round(x / d) (ties to even); a block holding an infinity or NaN:
+    scale NaN, codes 0."""
+    *lead, dim = x.shape
+    q8_width(dim)
+    blocks = x.to(torch.float32).reshape(*lead, dim // Q8_BLOCK, Q8_BLOCK)
+    mags = blocks.abs()
+    bad = ~(mags <= torch.finfo(torch.float32).max).all(-1, keepdim=True)
+    scale = torch.where(bad, float("nan"), mags.amax(-1, keepdim=True) / 127.0)
+    codes = torch.where(scale > 0, torch.round(blocks / scale), 0.0).to(torch.int8)
+    out = torch.cat([codes, scale.contiguous().view(torch.int8)], dim=-1)
+    return out.reshape(*lead, dim // Q8_BLOCK * Q8_BYTES)
+
+
+def q8_decode(b: torch.Tensor) -> torch.Tensor:
+    """The float32 values ``[..., D]`` of 8-bit blocks ``[..., q8_width(D)]``: each code times its block's scale
+    (one rounded product, as the C code reads them)."""
+    *lead, width = b.shape
+    blocks = b.reshape(*lead, width // Q8_BYTES, Q8_BYTES)
+    scale = blocks[..., Q8_BLOCK:].contiguous().view(torch.float32)
+    return (blocks[..., :Q8_BLOCK].to(torch.float32) * scale).reshape(*lead, width // Q8_BYTES * Q8_BLOCK)
+
+
+def kv_kind(dtype: torch.dtype | None) -> int:
+    """The C code's name of a cache dtype (``fused_decoder.c``: KV_F32 0, KV_F16 1, KV_Q8 2)."""
+    return 2 if dtype == Q8 else 1 if dtype == torch.float16 else 0
 
 
 class KVCache:
@@ -74,9 +118,11 @@ class KVCache:
         return _PrefixReader(self, end)
 
     def layer(self, idx: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots ``[0, end)`` of one layer (for tests and tools)."""
+        """Keys and values of slots ``[0, end)`` of one layer (for tests and tools; an 8-bit cache's decoded)."""
         k, v = self._keys[idx], self._values[idx]
         assert k is not None and v is not None, f"layer {idx} was never written"
+        if k.dtype == Q8:  # their values
+            return q8_decode(k[:, :, :end]), q8_decode(v[:, :, :end])
         return k[:, :, :end], v[:, :, :end]
 
     def prefix(self, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -127,6 +173,7 @@ class KVCache:
             return memo[2]
         pointers = []
         for i, (heads, dim) in enumerate(shapes):
+            dim = q8_width(dim) if dtype == Q8 else dim
             for buffers in (self._keys, self._values):
                 buf = buffers[i]
                 if buf is None:
@@ -142,15 +189,15 @@ class KVCache:
 
     def _native_layout(self):
         """(library, buffer pointers, heads, head dims, entry size) for the native slot copy, once every buffer
-        exists as a contiguous float32 or float16 CPU tensor [1, heads, capacity, dim], all of one dtype (they never
-        move after); None otherwise."""
+        exists as a contiguous float32, float16 or 8-bit block CPU tensor [1, heads, capacity, dim], all of one dtype
+        (they never move after); None otherwise."""
         if self._layout is not None:
             return self._layout or None
         buffers = self._keys + self._values
         if not buffers or any(b is None for b in buffers):
             return None
         dtype = buffers[0].dtype
-        if dtype not in (torch.float32, torch.float16) or not all(
+        if dtype not in (torch.float32, torch.float16, Q8) or not all(
                 b.device.type == "cpu" and b.dtype == dtype and b.is_contiguous() and b.dim() == 4
                 and b.shape[0] == 1 and b.shape[2] == self.capacity for b in buffers):  # fmt: skip
             self._layout = False
@@ -173,13 +220,18 @@ class KVCache:
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: need {end} slots, have {self.capacity}")
         kb = self._keys[layer_idx]
+        dtype = self.dtype or k.dtype
         if kb is None:
-            shape_k = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
-            shape_v = (v.shape[0], v.shape[1], self.capacity, v.shape[3])
-            dtype = self.dtype or k.dtype
-            kb = self._keys[layer_idx] = torch.zeros(shape_k, dtype=dtype, device=k.device)
-            self._values[layer_idx] = torch.zeros(shape_v, dtype=dtype, device=v.device)
+            width_k, width_v = (q8_width(k.shape[3]), q8_width(v.shape[3])) if dtype == Q8 else (k.shape[3], v.shape[3])
+            kb = self._keys[layer_idx] = torch.zeros(k.shape[0], k.shape[1], self.capacity, width_k, dtype=dtype,
+                                                     device=k.device)  # fmt: skip
+            self._values[layer_idx] = torch.zeros(v.shape[0], v.shape[1], self.capacity, width_v, dtype=dtype,
+                                                  device=v.device)  # fmt: skip
         vb = self._values[layer_idx]
+        if dtype == Q8:
+            kb[:, :, start:end] = q8_encode(k)
+            vb[:, :, start:end] = q8_encode(v)
+            return q8_decode(kb[:, :, :end]).to(k.dtype), q8_decode(vb[:, :, :end]).to(v.dtype)
         kb[:, :, start:end] = k  # rounded where the cache stores another dtype
         vb[:, :, start:end] = v
         return kb[:, :, :end].to(k.dtype), vb[:, :, :end].to(v.dtype)

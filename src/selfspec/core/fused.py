@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cache import KVCache
+from .cache import Q8, KVCache, kv_kind
 from .quant import QuantLinear, int8_activations, low_bit_copy, native, prefill_kernel
 from .skipset import SkipSet
 
@@ -133,7 +133,7 @@ class FusedStack:
         self._window_of = np.array([self._windows.index(layer.window) for layer in layers])
         self._rope_of = np.array([self._rope_keys.index(layer.rope_key) for layer in layers])
         self._skip_flags: dict[SkipSet, np.ndarray] = {}
-        self._kv_shapes = tuple((layer.n_kv, layer.head_dim) for layer in layers)  # one object: caches remember it
+        self.kv_shapes = tuple((layer.n_kv, layer.head_dim) for layer in layers)  # one object: caches remember it
         fn = self._lib.selfspec_fused_layers
         fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                        ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -293,7 +293,7 @@ class FusedStack:
                           io.ctypes.data, T, start, cache.capacity, h.data_ptr(),
                           None if cosines is None else self._cosine_buffer(cosines, (2 * len(self.layers),)),
                           int(prompt),
-                          int(self.int8), int(cache.dtype == torch.float16))  # fmt: skip
+                          int(self.int8), kv_kind(cache.dtype))  # fmt: skip
         del keep
         if status != 0:
             raise MemoryError("the fused decoder could not allocate its scratch memory")
@@ -330,7 +330,7 @@ class FusedStack:
             ctypes.c_void_p(cap.ctypes.data), ctypes.c_void_p(h.data_ptr()),
             ctypes.c_void_p(None if cosines is None else self._cosine_buffer(cosines, (len(hs), 2 * len(self.layers)))),
             ctypes.c_int(int(self.int8)),
-            ctypes.c_int(int(caches[0].dtype == torch.float16)))  # fmt: skip
+            ctypes.c_int(kv_kind(caches[0].dtype)))  # fmt: skip
         del keep
         if status != 0:
             raise MemoryError("the fused decoder could not allocate its scratch memory")
@@ -347,7 +347,7 @@ class FusedStack:
         io[:, 1] = np.array([c.data_ptr() for c, _ in tables], dtype=np.uint64)[self._rope_of]
         io[:, 2] = np.array([s.data_ptr() for _, s in tables], dtype=np.uint64)[self._rope_of]
         kv_dtype = cache.dtype or torch.float32
-        if kv_dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"the fused stack keeps its cache in float32 or float16, not {kv_dtype}")
-        io[:, 3:] = cache.buffer_pointers(self._kv_shapes, kv_dtype)
+        if kv_dtype not in (torch.float32, torch.float16, Q8):
+            raise ValueError(f"the fused stack keeps its cache in float32, float16 or 8-bit blocks, not {kv_dtype}")
+        io[:, 3:] = cache.buffer_pointers(self.kv_shapes, kv_dtype)
         return io, [masks, tables]

@@ -16,6 +16,7 @@
  * step of the same sequence uses.  The file is compiled with -ffp-contract=off: vector and scalar code paths
  * perform the same IEEE operations.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -64,7 +65,7 @@ typedef struct {
     int bulk;
     void *xq;
     int *failed;
-    int kv16; /* the cache holds IEEE halves (else floats) */
+    int kv; /* how the cache holds its entries: KV_F32, KV_F16 or KV_Q8 */
 } pass_t;
 
 #define PROMPT_ROWS 65
@@ -300,19 +301,60 @@ static void rope(float *x, const float *cos, const float *sin, long hd) {
 
 #define RMAX 4 /* the most query heads attended together */
 
-/* Cache entries are floats, or IEEE halves (kv16: half the bytes that a long context's attention reads, and a
- * one-token step's attention is bound by reading them).  A key or value is rounded to the nearest half once,
- * when it is written, and widened exactly when read, so every pass reads the same numbers. */
-static inline const void *kv_at(const void *base, long i, int kv16) {
-    return (const char *)base + i * (kv16 ? 2 : 4);
+/* Cache entries are floats, IEEE halves (KV_F16: half the bytes that a long context's attention reads, and a
+ * one-token step's attention is bound by reading them) or 8-bit blocks (KV_Q8, llama.cpp's q8_0 in spirit: each 32
+ * entries of a head's row as 32 signed bytes followed by their float scale, 36 bytes, 1.125 a value; rows of
+ * head_dim a multiple of 32).  An entry is rounded once, when it is written (a q8 block: scale d = max |x| / 127,
+ * codes round(x / d), ties to even), and read back as the same float every time (a half widened exactly, a code
+ * times its scale in one rounded product), so every pass, every build and torch's reader (cache.py) read the same
+ * numbers.  Indices i count entries; a q8 block never straddles two rows. */
+#define KV_F32 0
+#define KV_F16 1
+#define KV_Q8 2
+#define Q8_BLOCK 32
+#define Q8_BYTES 36
+
+static inline const void *kv_at(const void *base, long i, int kv) {
+    if (kv == KV_Q8) return (const char *)base + i / Q8_BLOCK * Q8_BYTES + i % Q8_BLOCK;
+    return (const char *)base + i * (kv == KV_F16 ? 2 : 4);
 }
 
-static inline float kv_get(const void *base, long i, int kv16) {
-    return kv16 ? (float)((const _Float16 *)base)[i] : ((const float *)base)[i];
+static inline float q8_scale(const void *base, long i) {
+    float d;
+    memcpy(&d, (const char *)base + i / Q8_BLOCK * Q8_BYTES + Q8_BLOCK, sizeof d);
+    return d;
 }
 
-static void kv_put(void *base, long i, const float *x, long n, int kv16) {
-    if (!kv16) {
+static inline float kv_get(const void *base, long i, int kv) {
+    if (kv == KV_Q8) return (float)*(const int8_t *)kv_at(base, i, KV_Q8) * q8_scale(base, i);
+    return kv == KV_F16 ? (float)((const _Float16 *)base)[i] : ((const float *)base)[i];
+}
+
+/* n entries (whole blocks) from entry i as q8 blocks; a block holding an infinity or NaN gets scale NaN and codes
+ * 0, so that it reads back as NaN, as the model's numbers were */
+static void q8_put(void *base, long i, const float *x, long n) {
+    for (long b = 0; b < n; b += Q8_BLOCK) {
+        char *blk = (char *)base + (i + b) / Q8_BLOCK * Q8_BYTES;
+        float amax = 0.0f;
+        int bad = 0;
+        for (int j = 0; j < Q8_BLOCK; j++) {
+            const float a = fabsf(x[b + j]);
+            bad |= !(a <= FLT_MAX);
+            amax = a > amax ? a : amax;
+        }
+        const float d = bad ? NAN : amax / 127.0f;
+        int8_t *c = (int8_t *)blk;
+        for (int j = 0; j < Q8_BLOCK; j++) c[j] = (int8_t)(d > 0.0f ? nearbyintf(x[b + j] / d) : 0.0f);
+        memcpy(blk + Q8_BLOCK, &d, sizeof d);
+    }
+}
+
+static void kv_put(void *base, long i, const float *x, long n, int kv) {
+    if (kv == KV_Q8) {
+        q8_put(base, i, x, n);
+        return;
+    }
+    if (kv == KV_F32) {
         memcpy((float *)base + i, x, (size_t)n * sizeof(float));
         return;
     }
@@ -332,7 +374,7 @@ static void kv_put(void *base, long i, const float *x, long n, int kv16) {
 
 /* out_r[d] for dimensions d0 <= d < hd, one at a time (the portable path: all of them; the vector path: those
  * past its 64-wide blocks), by the same fused multiply-adds in key order as the vector blocks */
-static void weighted_dims(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
+static void weighted_dims(int R, int kv, const float *p, long pstride, const long *list, long m, const void *vc,
                           long d0, long hd, float *out) {
     if (d0 >= hd) return; /* the compiler kept the loop over the keys around an empty one: a third of the sums */
     for (int r = 0; r < R; r++) {
@@ -340,7 +382,7 @@ static void weighted_dims(int R, int kv16, const float *p, long pstride, const l
         float *o = out + r * hd;
         for (long d = d0; d < hd; d++) o[d] = 0.0f;
         for (long i = 0; i < m; i++)
-            for (long d = d0; d < hd; d++) o[d] = fmaf(pr[i], kv_get(vc, list[i] * hd + d, kv16), o[d]);
+            for (long d = d0; d < hd; d++) o[d] = fmaf(pr[i], kv_get(vc, list[i] * hd + d, kv), o[d]);
     }
 }
 
@@ -361,17 +403,21 @@ static void weighted_dims(int R, int kv16, const float *p, long pstride, const l
     }
 
 #if defined(__AVX512F__)
-static inline __m512 kv_load(const void *base, long i, int kv16) {
-    return kv16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)kv_at(base, i, 1)))
-                : _mm512_loadu_ps((const float *)base + i);
+static inline __m512 kv_load(const void *base, long i, int kv) {
+    if (kv == KV_Q8) /* 16 codes of one block (i: a multiple of 16), each times the block's scale */
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)kv_at(base, i,
+                                                                                                      KV_Q8)))),
+                             _mm512_set1_ps(q8_scale(base, i)));
+    return kv == KV_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)kv_at(base, i, KV_F16)))
+                        : _mm512_loadu_ps((const float *)base + i);
 }
 
 /* the first n < 16 entries from i, zeros after */
-static inline __m512 kv_load_part(const void *base, long i, long n, int kv16) {
-    if (!kv16) return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), (const float *)base + i);
-    uint16_t tmp[LANES] = {0};
-    memcpy(tmp, kv_at(base, i, 1), (size_t)n * 2);
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tmp));
+static inline __m512 kv_load_part(const void *base, long i, long n, int kv) {
+    if (kv == KV_F32) return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), (const float *)base + i);
+    float tmp[LANES] = {0};
+    for (long l = 0; l < n; l++) tmp[l] = kv_get(base, i + l, kv);
+    return _mm512_loadu_ps(tmp);
 }
 
 /* The lane sums of 16 vectors at once: out lane j = lane_reduce(v[j]), by the very same additions in the same
@@ -398,7 +444,7 @@ static inline __m512 lane_reduce16(const __m512 v[16]) {
 
 /* Keys go 16 at a time (the last block's missing ones repeat its first key, their sums dropped); each key's
  * lane vectors for the R rows are kept, and their lane sums taken 16 keys together (lane_reduce16). */
-static inline __attribute__((always_inline)) void scores_rows(const int R, const int KV16, const float *q,
+static inline __attribute__((always_inline)) void scores_rows(const int R, const int KV, const float *q,
                                                               const void *kc, long hd, const long *list, long m,
                                                               float scaling, float *p, long pstride, float *mx) {
     const long C = hd / LANES, rest = hd % LANES;
@@ -411,18 +457,18 @@ static inline __attribute__((always_inline)) void scores_rows(const int R, const
             const long base = list[i + (j < n ? j : 0)] * hd;
             __m512 t[RMAX];
             if (C > 0) {
-                const __m512 k0 = kv_load(kc, base, KV16);
+                const __m512 k0 = kv_load(kc, base, KV);
                 for (int r = 0; r < R; r++) t[r] = _mm512_mul_ps(_mm512_loadu_ps(q + r * hd), k0);
             } else {
-                const __m512 k0 = kv_load_part(kc, base, rest, KV16);
+                const __m512 k0 = kv_load_part(kc, base, rest, KV);
                 for (int r = 0; r < R; r++) t[r] = _mm512_mul_ps(_mm512_maskz_loadu_ps(rm, q + r * hd), k0);
             }
             for (long c = 1; c < C; c++) {
-                const __m512 kv = kv_load(kc, base + c * LANES, KV16);
+                const __m512 kv = kv_load(kc, base + c * LANES, KV);
                 for (int r = 0; r < R; r++) t[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * hd + c * LANES), kv, t[r]);
             }
             if (rest && C > 0) {
-                const __m512 kv = kv_load_part(kc, base + C * LANES, rest, KV16);
+                const __m512 kv = kv_load_part(kc, base + C * LANES, rest, KV);
                 for (int r = 0; r < R; r++)
                     t[r] = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(rm, q + r * hd + C * LANES), kv, t[r], rm);
             }
@@ -439,7 +485,7 @@ static inline __attribute__((always_inline)) void scores_rows(const int R, const
 }
 
 /* 4 vectors (64 dimensions) of each of R rows kept in registers across all keys */
-static inline __attribute__((always_inline)) void weighted_block(const int R, const int KV16, const float *p,
+static inline __attribute__((always_inline)) void weighted_block(const int R, const int KV, const float *p,
                                                                  long pstride, const long *list, long m,
                                                                  const void *vc, long d0, long hd, float *out) {
     __m512 acc[RMAX][4];
@@ -447,8 +493,8 @@ static inline __attribute__((always_inline)) void weighted_block(const int R, co
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (long i = 0; i < m; i++) {
         const long base = list[i] * hd + d0;
-        const __m512 v0 = kv_load(vc, base, KV16), v1 = kv_load(vc, base + 16, KV16),
-                     v2 = kv_load(vc, base + 32, KV16), v3 = kv_load(vc, base + 48, KV16);
+        const __m512 v0 = kv_load(vc, base, KV), v1 = kv_load(vc, base + 16, KV),
+                     v2 = kv_load(vc, base + 32, KV), v3 = kv_load(vc, base + 48, KV);
         for (int r = 0; r < R; r++) {
             const __m512 w = _mm512_set1_ps(p[r * pstride + i]);
             acc[r][0] = _mm512_fmadd_ps(w, v0, acc[r][0]);
@@ -461,34 +507,39 @@ static inline __attribute__((always_inline)) void weighted_block(const int R, co
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * hd + d0 + 16 * c, acc[r][c]);
 }
 
-static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
+static void weighted_values(int R, int kv, const float *p, long pstride, const long *list, long m, const void *vc,
                             long hd, float *out) {
     long d0 = 0;
     for (; d0 + 64 <= hd; d0 += 64) {
 #define WEIGHTED(N) \
-    (kv16 ? weighted_block(N, 1, p, pstride, list, m, vc, d0, hd, out) \
-          : weighted_block(N, 0, p, pstride, list, m, vc, d0, hd, out))
+    (kv == KV_Q8    ? weighted_block(N, KV_Q8, p, pstride, list, m, vc, d0, hd, out)  \
+     : kv == KV_F16 ? weighted_block(N, KV_F16, p, pstride, list, m, vc, d0, hd, out) \
+                    : weighted_block(N, KV_F32, p, pstride, list, m, vc, d0, hd, out))
         ROWS_SWITCH(R, WEIGHTED)
 #undef WEIGHTED
     }
-    weighted_dims(R, kv16, p, pstride, list, m, vc, d0, hd, out);
+    weighted_dims(R, kv, p, pstride, list, m, vc, d0, hd, out);
 }
 #elif defined(FUSED_AVX2)
 /* The AVX2 form of the two sums: 16 lanes as two halves (v16), the same operations as the AVX-512 code above */
-static inline __m256 kv_load8(const void *base, long i, int kv16) {
-    return kv16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kv_at(base, i, 1)))
-                : _mm256_loadu_ps((const float *)base + i);
+static inline __m256 kv_load8(const void *base, long i, int kv) {
+    if (kv == KV_Q8) /* 8 codes of one block (i: a multiple of 8), each times the block's scale */
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)kv_at(base, i,
+                                                                                                      KV_Q8)))),
+                             _mm256_set1_ps(q8_scale(base, i)));
+    return kv == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)kv_at(base, i, KV_F16)))
+                        : _mm256_loadu_ps((const float *)base + i);
 }
 
-static inline v16 kv_load16(const void *base, long i, int kv16) {
-    const v16 v = {kv_load8(base, i, kv16), kv_load8(base, i + 8, kv16)};
+static inline v16 kv_load16(const void *base, long i, int kv) {
+    const v16 v = {kv_load8(base, i, kv), kv_load8(base, i + 8, kv)};
     return v;
 }
 
 /* the first n < 16 entries from i, zeros after */
-static inline v16 kv_load16_part(const void *base, long i, long n, int kv16) {
+static inline v16 kv_load16_part(const void *base, long i, long n, int kv) {
     float tmp[LANES] = {0};
-    for (long l = 0; l < n; l++) tmp[l] = kv_get(base, i + l, kv16); /* widening a half is exact */
+    for (long l = 0; l < n; l++) tmp[l] = kv_get(base, i + l, kv); /* as the vector loads widen */
     return kv_load16(tmp, 0, 0);
 }
 
@@ -537,29 +588,29 @@ static inline v16 lane_reduce16(const v16 v[16]) {
 }
 
 /* q_r . key, per lane: the products of dimensions l, l + 16, ... chained by fused multiply-adds */
-static inline __attribute__((always_inline)) void key_lanes(const int R, const int KV16, const float *q,
+static inline __attribute__((always_inline)) void key_lanes(const int R, const int KV, const float *q,
                                                             const void *kc, long base, long hd, v16 *t) {
     const long C = hd / LANES, rest = hd % LANES;
     if (C > 0) {
-        const v16 k0 = kv_load16(kc, base, KV16);
+        const v16 k0 = kv_load16(kc, base, KV);
         for (int r = 0; r < R; r++) t[r] = mul16(kv_load16(q + r * hd, 0, 0), k0);
     } else {
-        const v16 k0 = kv_load16_part(kc, base, rest, KV16);
+        const v16 k0 = kv_load16_part(kc, base, rest, KV);
         for (int r = 0; r < R; r++) t[r] = mul16(kv_load16_part(q + r * hd, 0, rest, 0), k0);
     }
     for (long c = 1; c < C; c++) {
-        const v16 kv = kv_load16(kc, base + c * LANES, KV16);
+        const v16 kv = kv_load16(kc, base + c * LANES, KV);
         for (int r = 0; r < R; r++) t[r] = fmadd16(kv_load16(q + r * hd + c * LANES, 0, 0), kv, t[r]);
     }
     if (rest && C > 0) { /* lanes past the last dimension keep their sums (not + 0 * 0: the sign of a zero) */
-        const v16 kv = kv_load16_part(kc, base + C * LANES, rest, KV16);
+        const v16 kv = kv_load16_part(kc, base + C * LANES, rest, KV);
         for (int r = 0; r < R; r++)
             t[r] = first_lanes(rest, fmadd16(kv_load16_part(q + r * hd + C * LANES, 0, rest, 0), kv, t[r]), t[r]);
     }
 }
 
 /* scores_rows of the AVX-512 code: 16 keys at a time, their lane sums taken together */
-static inline __attribute__((always_inline)) void scores_rows(const int R, const int KV16, const float *q,
+static inline __attribute__((always_inline)) void scores_rows(const int R, const int KV, const float *q,
                                                               const void *kc, long hd, const long *list, long m,
                                                               float scaling, float *p, long pstride, float *mx) {
     const v16 ninf = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
@@ -569,7 +620,7 @@ static inline __attribute__((always_inline)) void scores_rows(const int R, const
         const long n = m - i < 16 ? m - i : 16;
         for (long j = 0; j < 16; j++) {
             v16 t[RMAX];
-            key_lanes(R, KV16, q, kc, list[i + (j < n ? j : 0)] * hd, hd, t);
+            key_lanes(R, KV, q, kc, list[i + (j < n ? j : 0)] * hd, hd, t);
             for (int r = 0; r < R; r++) lanes[r][j] = t[r];
         }
         for (int r = 0; r < R; r++) {
@@ -596,7 +647,7 @@ static inline __attribute__((always_inline)) void scores_rows(const int R, const
 
 /* NV vectors (8 NV dimensions) of each of R rows kept in registers across all keys: NV * R of AVX2's 16
  * registers hold sums (8 NV = 64, 32 or 16 dimensions for 1, 2, or 3-4 rows) */
-static inline __attribute__((always_inline)) void weighted_block(const int R, const int KV16, const int NV,
+static inline __attribute__((always_inline)) void weighted_block(const int R, const int KV, const int NV,
                                                                  const float *p, long pstride, const long *list,
                                                                  long m, const void *vc, long d0, long hd,
                                                                  float *out) {
@@ -608,7 +659,7 @@ static inline __attribute__((always_inline)) void weighted_block(const int R, co
         __m256 w[RMAX];
         for (int r = 0; r < R; r++) w[r] = _mm256_set1_ps(p[r * pstride + i]);
         for (int c = 0; c < NV; c++) {
-            const __m256 v = kv_load8(vc, base + 8 * c, KV16);
+            const __m256 v = kv_load8(vc, base + 8 * c, KV);
             for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(w[r], v, acc[r][c]);
         }
     }
@@ -616,21 +667,22 @@ static inline __attribute__((always_inline)) void weighted_block(const int R, co
         for (int c = 0; c < NV; c++) _mm256_storeu_ps(out + r * hd + d0 + 8 * c, acc[r][c]);
 }
 
-static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
+static void weighted_values(int R, int kv, const float *p, long pstride, const long *list, long m, const void *vc,
                             long hd, float *out) {
     const long width = R == 1 ? 64 : R == 2 ? 32 : 16;
     long d0 = 0;
     for (; d0 + width <= hd; d0 += width) {
+#define WEIGHTED_KV(N, KV) weighted_block(N, KV, (N) == 1 ? 8 : (N) == 2 ? 4 : 2, p, pstride, list, m, vc, d0, hd, out)
 #define WEIGHTED(N) \
-    (kv16 ? weighted_block(N, 1, (N) == 1 ? 8 : (N) == 2 ? 4 : 2, p, pstride, list, m, vc, d0, hd, out) \
-          : weighted_block(N, 0, (N) == 1 ? 8 : (N) == 2 ? 4 : 2, p, pstride, list, m, vc, d0, hd, out))
+    (kv == KV_Q8 ? WEIGHTED_KV(N, KV_Q8) : kv == KV_F16 ? WEIGHTED_KV(N, KV_F16) : WEIGHTED_KV(N, KV_F32))
         ROWS_SWITCH(R, WEIGHTED)
 #undef WEIGHTED
+#undef WEIGHTED_KV
     }
-    weighted_dims(R, kv16, p, pstride, list, m, vc, d0, hd, out);
+    weighted_dims(R, kv, p, pstride, list, m, vc, d0, hd, out);
 }
 #else
-static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
+static void scores(int R, int kv, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
                    float *p, long pstride, float *mx) {
     for (int r = 0; r < R; r++) mx[r] = -INFINITY;
     for (long i = 0; i < m; i++) {
@@ -638,8 +690,8 @@ static void scores(int R, int kv16, const float *q, const void *kc, long hd, con
         for (int r = 0; r < R; r++) {
             const float *qr = q + r * hd;
             float t[LANES];
-            for (long l = 0; l < LANES; l++) t[l] = l < hd ? qr[l] * kv_get(kc, base + l, kv16) : 0.0f;
-            for (long d = LANES; d < hd; d++) t[d % LANES] = fmaf(qr[d], kv_get(kc, base + d, kv16), t[d % LANES]);
+            for (long l = 0; l < LANES; l++) t[l] = l < hd ? qr[l] * kv_get(kc, base + l, kv) : 0.0f;
+            for (long d = LANES; d < hd; d++) t[d % LANES] = fmaf(qr[d], kv_get(kc, base + d, kv), t[d % LANES]);
             const float s = lane_sum(t) * scaling;
             p[r * pstride + i] = s;
             mx[r] = s > mx[r] ? s : mx[r];
@@ -647,9 +699,9 @@ static void scores(int R, int kv16, const float *q, const void *kc, long hd, con
     }
 }
 
-static void weighted_values(int R, int kv16, const float *p, long pstride, const long *list, long m, const void *vc,
+static void weighted_values(int R, int kv, const float *p, long pstride, const long *list, long m, const void *vc,
                             long hd, float *out) {
-    weighted_dims(R, kv16, p, pstride, list, m, vc, 0, hd, out);
+    weighted_dims(R, kv, p, pstride, list, m, vc, 0, hd, out);
 }
 #endif
 
@@ -659,11 +711,12 @@ static void weighted_values(int R, int kv16, const float *p, long pstride, const
  * key's loop over its dimensions is unrolled (the same operations in the same order as the loop: the same
  * numbers).  The loop kept its counter and branch beside each key's 4-12 vector operations, and a long prompt's
  * attention is a quarter to a half of its prefill on the small models. */
-static void scores(int R, int kv16, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
+static void scores(int R, int kv, const float *q, const void *kc, long hd, const long *list, long m, float scaling,
                    float *p, long pstride, float *mx) {
 #define SCORES_HD(N, HD) \
-    (kv16 ? scores_rows(N, 1, q, kc, HD, list, m, scaling, p, pstride, mx) \
-          : scores_rows(N, 0, q, kc, HD, list, m, scaling, p, pstride, mx))
+    (kv == KV_Q8    ? scores_rows(N, KV_Q8, q, kc, HD, list, m, scaling, p, pstride, mx)  \
+     : kv == KV_F16 ? scores_rows(N, KV_F16, q, kc, HD, list, m, scaling, p, pstride, mx) \
+                    : scores_rows(N, KV_F32, q, kc, HD, list, m, scaling, p, pstride, mx))
 #define SCORES64(N) SCORES_HD(N, 64)
 #define SCORES128(N) SCORES_HD(N, 128)
 #define SCORES256(N) SCORES_HD(N, 256)
@@ -687,13 +740,13 @@ static void scores(int R, int kv16, const float *q, const void *kc, long hd, con
 
 /* R query rows of one key/value head (contiguous in q and out, hd apart) attending over the same allowed cache
  * slots; p: scratch of R rows pstride apart; out: [R, hd] */
-static void attend_rows(int R, int kv16, const float *q, const void *kc, const void *vc, long hd, long nkeys,
+static void attend_rows(int R, int kv, const float *q, const void *kc, const void *vc, long hd, long nkeys,
                         const uint8_t *allow, float scaling, long *list, float *p, long pstride, float *out) {
     long m = 0;
     for (long j = 0; j < nkeys; j++)
         if (!allow || allow[j]) list[m++] = j;
     float mx[RMAX], denom[RMAX];
-    scores(R, kv16, q, kc, hd, list, m, scaling, p, pstride, mx);
+    scores(R, kv, q, kc, hd, list, m, scaling, p, pstride, mx);
     for (int r = 0; r < R; r++) {
         float *pr = p + r * pstride;
         softmax_exp(pr, m, mx[r]);
@@ -704,7 +757,7 @@ static void attend_rows(int R, int kv16, const float *q, const void *kc, const v
         for (int l = 0; i < m; i++, l++) acc[l] = acc[l] + pr[i];
         denom[r] = lane_sum(acc);
     }
-    weighted_values(R, kv16, p, pstride, list, m, vc, hd, out);
+    weighted_values(R, kv, p, pstride, list, m, vc, hd, out);
     for (int r = 0; r < R; r++)
         for (long d = 0; d < hd; d++) out[r * hd + d] = out[r * hd + d] / denom[r];
 }
@@ -724,7 +777,7 @@ static int heads_together(long T, long n_kv, long groups, int threads) {
 typedef struct {
     const uint8_t *mask; /* [T, start + T] (1 = may attend) or NULL: causal (T, start: of its sequence) */
     const float *cos, *sin; /* [T, head_dim] */
-    void *k, *v;            /* this layer's cache [n_kv, capacity, head_dim] (floats, or halves: pass_t.kv16) */
+    void *k, *v;            /* this layer's cache [n_kv, capacity, head_dim] (entries as pass_t.kv says) */
 } layer_io;
 
 /* The sequences of a pass.  Rows [off[s], off[s + 1]) of h belong to sequence s, whose new keys and values go
@@ -824,8 +877,8 @@ static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long
             float *kh = k + (t * nkv + g) * hd;
             if (L->k_norm) rmsnorm(kh, L->k_norm, off, eps, hd, kh);
             rope(kh, rc, rs, hd);
-            kv_put(r.io->k, (g * cap + start + r.t) * hd, kh, hd, ps->kv16);
-            kv_put(r.io->v, (g * cap + start + r.t) * hd, v + (t * nkv + g) * hd, hd, ps->kv16);
+            kv_put(r.io->k, (g * cap + start + r.t) * hd, kh, hd, ps->kv);
+            kv_put(r.io->v, (g * cap + start + r.t) * hd, v + (t * nkv + g) * hd, hd, ps->kv);
         }
     }
     const int R = heads_together(T, nkv, groups, omp_get_num_threads());
@@ -839,8 +892,8 @@ static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long
         const long nkeys = start + sq->off[r.s + 1] - sq->off[r.s];
         const uint8_t *allow = r.io->mask ? r.io->mask + r.t * nkeys : NULL;
         const long visible = r.io->mask ? nkeys : start + r.t + 1;
-        attend_rows(heads, ps->kv16, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv16),
-                    kv_at(r.io->v, g * cap * hd, ps->kv16), hd, visible, allow,
+        attend_rows(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
+                    kv_at(r.io->v, g * cap * hd, ps->kv), hd, visible, allow,
                     (float)L->scaling, list, p, pstride, a + (t * nh + hh) * hd);
     }
     quantize(T, nh * hd, a, ps);
@@ -875,7 +928,7 @@ int selfspec_pass_threads(void); /* int8_kernels.c */
 
 /* The stack over the sequences of sq (see seqs_t); h: [T, hidden], every sequence's rows in turn. */
 static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *sq, long T, float *h,
-                      float *cosine_out, int bulk, int int8, int kv16) {
+                      float *cosine_out, int bulk, int int8, int kv) {
     const long n = sq->layers;
     long width = 0, inter = 0, keys = 0;
     for (long i = 0; i < n; i++) {
@@ -905,7 +958,7 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
         return -1;
     }
     int failed = 0;
-    const pass_t ps = {bulk, xq, &failed, kv16};
+    const pass_t ps = {bulk, xq, &failed, kv};
 #pragma omp parallel num_threads(selfspec_pass_threads())
     {
         long *list = malloc(keys * sizeof(long));
@@ -935,15 +988,15 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
  * sublayer's mean cosine of input and output (skipped ones are left as they are).  bulk: the prompt's pass,
  * whose products of PROMPT_ROWS rows or more take prompt_gemm.c (0: every product in the T-independent row
  * kernels).  int8: products of weights with an x16 copy take int8 activations (int8_kernels.c), except in a
- * bulk pass's prompt kernel.  kv16: the caches hold IEEE halves (else floats).  Returns 0, or -1 when scratch
- * memory is unavailable. */
+ * bulk pass's prompt kernel.  kv: how the caches hold their entries (KV_F32, KV_F16, KV_Q8).  Returns 0, or -1
+ * when scratch memory is unavailable. */
 int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io, long T,
-                          long start, long cap, float *h, float *cosine_out, int bulk, int int8, int kv16) {
+                          long start, long cap, float *h, float *cosine_out, int bulk, int int8, int kv) {
     long *seq_of = calloc((size_t)(T > 0 ? T : 1), sizeof(long));
     if (!seq_of) return -1;
     const long off[2] = {0, T};
     const seqs_t sq = {1, n, off, &start, &cap, seq_of, io};
-    const int status = fused_pass(layers, skip, &sq, T, h, cosine_out, bulk, int8, kv16);
+    const int status = fused_pass(layers, skip, &sq, T, h, cosine_out, bulk, int8, kv);
     free(seq_of);
     return status;
 }
@@ -955,20 +1008,20 @@ int selfspec_fused_layers(long n, const layer_t *layers, const uint8_t *skip, co
  * Never the prompt kernel: each row is computed as a one-sequence pass of the row kernels computes it.  Returns 0, or -1 when scratch memory is unavailable. */
 int selfspec_fused_layers_batch(long n, const layer_t *layers, const uint8_t *skip, const layer_io *io,
                                 long nseq, const long *off, const long *start, const long *cap, float *h,
-                                float *cosine_out, int int8, int kv16) {
+                                float *cosine_out, int int8, int kv) {
     const long T = off[nseq];
     long *seq_of = malloc((size_t)(T > 0 ? T : 1) * sizeof(long));
     if (!seq_of) return -1;
     for (long s = 0; s < nseq; s++)
         for (long t = off[s]; t < off[s + 1]; t++) seq_of[t] = s;
     const seqs_t sq = {nseq, n, off, start, cap, seq_of, io};
-    const int status = fused_pass(layers, skip, &sq, T, h, cosine_out, 0, int8, kv16);
+    const int status = fused_pass(layers, skip, &sq, T, h, cosine_out, 0, int8, kv);
     free(seq_of);
     return status;
 }
 
 /* Copies cache slots src[i] to slots dst + i (i < n) in each of nbuf buffers of [heads[b], cap, dims[b]] entries of
- * esize bytes (floats or halves):
+ * esize bytes (floats, halves, or the bytes of q8 blocks):
  * the accepted path of a verified token tree made contiguous.  src increases and src[i] >= dst + i, so copying
  * in order never overwrites a slot still to be read. */
 void selfspec_move_slots(long nbuf, const uint64_t *bufs, const long *heads, const long *dims, long cap,

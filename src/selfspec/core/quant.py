@@ -221,13 +221,54 @@ def int8_activations() -> bool:
     return _ACTIVATIONS == "int8"
 
 
+_KV_CACHE: str | None = None
+KV_CACHE_ENV = "SELFSPEC_KV_CACHE"
+KV_CACHE_MODES = ("auto", "f16", "f32", "q8_0")
+
+
+def set_kv_cache(name: str) -> None:
+    """Process-wide: how the fused stack stores keys and values (see :func:`kv_cache_dtype`); takes effect for
+    caches made afterwards."""
+    global _KV_CACHE
+    key = str(name).strip().lower()
+    key = {"float16": "f16", "half": "f16", "float32": "f32", "q8": "q8_0"}.get(key, key)
+    if key not in KV_CACHE_MODES:
+        raise SelfspecError(f"kv_cache must be one of {', '.join(KV_CACHE_MODES)}, not {name!r}")
+    _KV_CACHE = key
+
+
+@contextlib.contextmanager
+def kv_cache(name: str) -> Iterator[None]:
+    """Within this block, :func:`set_kv_cache` ``name`` (tests, and comparing caches in one process)."""
+    global _KV_CACHE
+    old = _KV_CACHE
+    set_kv_cache(name)
+    try:
+        yield
+    finally:
+        _KV_CACHE = old
+
+
+def kv_cache_mode() -> str:
+    """The setting of :func:`set_kv_cache` (``--kv-cache``, ``load(kv_cache=...)`` or ``SELFSPEC_KV_CACHE``)."""
+    if _KV_CACHE is None:
+        set_kv_cache(os.environ.get(KV_CACHE_ENV, "").strip() or "auto")
+    return _KV_CACHE
+
+
 def kv_cache_dtype() -> torch.dtype:
-    """How the fused stack (:mod:`selfspec.core.fused`) stores keys and values: IEEE halves where products take
-    int8 activations (the speed mode, as llama.cpp's default f16 cache: half the bytes a long context's
-    attention reads, and a one-token step's attention is bound by reading them), float32 under ``float32``
-    activations (transformers' own numbers, which the fidelity checks compare with).  A cache's dtype is fixed
-    when it is made; vanilla decoding and every method share it, so speculative decoding stays lossless."""
-    return torch.float16 if int8_activations() else torch.float32
+    """How the fused stack (:mod:`selfspec.core.fused`) stores keys and values.  ``auto`` (default): IEEE halves
+    where products take int8 activations (the speed mode, as llama.cpp's default f16 cache: half the bytes a
+    long context's attention reads, and a one-token step's attention is bound by reading them), float32 under
+    ``float32`` activations (transformers' own numbers, which the fidelity checks compare with); ``f16``,
+    ``f32``; ``q8_0``: 8-bit blocks (``torch.int8`` buffers, :data:`selfspec.core.cache.Q8`: 1.125 bytes a
+    value, 56% of the halves' bytes, for long contexts and several sequences at once; the logits move by the
+    codes' rounding).  A cache's dtype is fixed when it is made; vanilla decoding and every method share it, so
+    speculative decoding stays lossless under each."""
+    mode = kv_cache_mode()
+    if mode == "auto":
+        return torch.float16 if int8_activations() else torch.float32
+    return {"f16": torch.float16, "f32": torch.float32, "q8_0": torch.int8}[mode]
 
 
 def split_products_available() -> bool:

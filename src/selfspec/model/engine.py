@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
 from ..core import clock, draft_vocab, fused, kernels, native_thread, quant, thread_guard
-from ..core.cache import KVCache
+from ..core.cache import Q8_BLOCK, KVCache
 from ..core.skipset import NO_SKIP, SkipSet
+from ..errors import InvalidInputError
 
 HEAD_ROWS = 8  # rows per LM-head product when only the argmax is wanted
 GUARDED_ROWS = 64  # passes of at most this many rows (decoding, not a prompt's prefill) are timed for the guard
@@ -131,7 +132,21 @@ class Engine:
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache of ``capacity`` slots; on the fused stack its entries are stored as
         :func:`selfspec.core.quant.kv_cache_dtype` says (halves in the int8 speed mode)."""
+        refusal = self.kv_cache_refusal()
+        if refusal:
+            raise InvalidInputError(refusal)
         return KVCache(self.num_layers, capacity, quant.kv_cache_dtype() if self.fused else None)
+
+    def kv_cache_refusal(self) -> str | None:
+        """Why this model cannot keep the cache that :func:`selfspec.core.quant.kv_cache_mode` asks for (None if it
+        can): 8-bit blocks are written and read by the fused stack alone, in blocks of 32 values of a head."""
+        if quant.kv_cache_mode() != "q8_0":
+            return None
+        if not self.fused:
+            return (f"kv_cache q8_0 needs the fused CPU stack of quantised weights (a GGUF file, or --quantize); "
+                    f"this model runs on torch modules ({self.fused_reason or 'switched off'})")  # fmt: skip
+        odd = sorted({d for _, d in self._fused.kv_shapes if d % Q8_BLOCK})
+        return f"kv_cache q8_0 needs head sizes that are multiples of {Q8_BLOCK}, not {odd[0]}" if odd else None
 
     @_exclusive
     @torch.inference_mode()

@@ -300,7 +300,8 @@ def _collector_paused() -> Iterator[None]:
 
 
 def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float32", kernels: str = "auto",
-         quantize: str = "auto", prefill_dtype: str | None = None, activations: str | None = None) -> Model:
+         quantize: str = "auto", prefill_dtype: str | None = None, activations: str | None = None,
+         kv_cache: str | None = None) -> Model:
     """Load a built-in model name, a local HF directory, a local ``.gguf`` file or a hub id.
 
     ``kernels="auto"`` computes the linear products with the kernels measured fastest on this machine
@@ -311,22 +312,30 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
     quantised weights only): ``"float32"`` (default) or ``"bfloat16"``, see
     :func:`selfspec.core.quant.prefill_dtype`; ``activations`` (process-wide; quantised weights only): ``"auto"``
     (default: int8 wherever the native kernels build), ``"int8"`` or ``"float32"``, see
-    :func:`selfspec.core.quant.int8_activations`."""
+    :func:`selfspec.core.quant.int8_activations`; ``kv_cache`` (process-wide; the fused stack of quantised
+    weights): ``"auto"`` (default: halves under int8 activations, else float32), ``"f16"``, ``"f32"`` or
+    ``"q8_0"`` (8-bit blocks, 56% of the halves' bytes), see :func:`selfspec.core.quant.kv_cache_dtype`."""
     with _collector_paused():
-        return _load(name, device=device, dtype=dtype, kernels=kernels, quantize=quantize, prefill_dtype=prefill_dtype,
-                     activations=activations)  # fmt: skip
+        model = _load(name, device=device, dtype=dtype, kernels=kernels, quantize=quantize,
+                      prefill_dtype=prefill_dtype, activations=activations, kv_cache=kv_cache)  # fmt: skip
+    refusal = model.engine.kv_cache_refusal()
+    if refusal:
+        raise InvalidInputError(refusal)
+    return model
 
 
 def _load(name: str, *, device: str, dtype: str, kernels: str, quantize: str, prefill_dtype: str | None,
-          activations: str | None) -> Model:  # fmt: skip
-    if prefill_dtype is not None or activations is not None:
-        from ..core.quant import set_activations, set_prefill_dtype
+          activations: str | None, kv_cache: str | None) -> Model:  # fmt: skip
+    if prefill_dtype is not None or activations is not None or kv_cache is not None:
+        from ..core.quant import set_activations, set_kv_cache, set_prefill_dtype
 
         try:
             if prefill_dtype is not None:
                 set_prefill_dtype(prefill_dtype)
             if activations is not None:
                 set_activations(activations)
+            if kv_cache is not None:
+                set_kv_cache(kv_cache)
         except SelfspecError as exc:
             raise InvalidInputError(str(exc)) from None
     torch_dtype = _parse_dtype(dtype)
