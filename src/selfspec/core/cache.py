@@ -24,7 +24,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
 Q8 = torch.int8  # a cache dtype: 8-bit blocks (module docstring)
 Q8_BLOCK, Q8_BYTES = 32, 36  # values per block; its bytes: the codes, then the scale
 
