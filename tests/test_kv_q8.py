@@ -83,6 +83,15 @@ def test_every_method_decodes_vanillas_tokens_on_an_8_bit_cache(smollm2, method)
     assert got == base
 
 
+def test_a_tokens_keys_and_values_take_56_percent_of_the_halves_bytes(smollm2):
+    """SmolLM2: 30 layers, keys and values of 3 heads of 64 values: 23,040 bytes a token as halves, 12,960 as
+    8-bit blocks (72 bytes a row of 64)."""
+    with kv_cache("f16"):
+        assert smollm2.engine.kv_bytes_per_token() == 30 * 2 * 3 * 64 * 2
+    with kv_cache("q8_0"):
+        assert smollm2.engine.kv_bytes_per_token() == 30 * 2 * 3 * 72
+
+
 def test_a_reused_prefix_on_an_8_bit_cache_gives_a_whole_prefills_tokens(smollm2):
     first = [{"role": "user", "content": "Name a prime number larger than 100."}]
     with kv_cache("q8_0"):

@@ -15,7 +15,7 @@ from conftest import tiny_model
 
 import selfspec
 from selfspec.core.prefix_store import MB, PrefixStore, inexact_reason
-from selfspec.core.quant import activations, quantize_linears
+from selfspec.core.quant import activations, kv_cache_dtype, quantize_linears
 from selfspec.decoding.loop import prefill
 
 NEW = 24
@@ -300,7 +300,10 @@ def test_the_server_worker_reuses_and_reports(qtiny):
         assert int(values["selfspec_prefix_cache_reused_tokens_total"]) >= 40
         assert "selfspec_time_to_first_token_seconds_count 2" in text
         assert "selfspec_queue_wait_seconds_count 2" in text
-        assert worker.prefix_cache_line() == "prefix cache 64 MB"
+        per_token = qtiny.engine.kv_bytes_per_token()  # 6 layers' keys and values: 2 heads of 16 values each
+        assert per_token == 6 * 2 * 2 * 16 * torch.empty(0, dtype=kv_cache_dtype()).element_size()
+        assert worker.prefix_cache_line() == (f"prefix cache 64 MB (about {64 * 2**20 / per_token / 1000:.0f}k "
+                                              f"tokens at {per_token / 1000:.1f} KB a token)")  # fmt: skip
     finally:
         worker.stop()
     off = Worker(qtiny, "vanilla", allowed=("vanilla",), prefix_cache_mb=0)

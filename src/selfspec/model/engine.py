@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
 from ..core import clock, draft_vocab, fused, kernels, native_thread, quant, thread_guard
-from ..core.cache import Q8_BLOCK, KVCache
+from ..core.cache import Q8, Q8_BLOCK, KVCache, q8_width
 from ..core.skipset import NO_SKIP, SkipSet
 from ..errors import InvalidInputError
 
@@ -136,6 +136,15 @@ class Engine:
         if refusal:
             raise InvalidInputError(refusal)
         return KVCache(self.num_layers, capacity, quant.kv_cache_dtype() if self.fused else None)
+
+    def kv_bytes_per_token(self) -> int | None:
+        """Bytes of keys and values a token of context holds in a cache of :meth:`new_cache` (fused stack only; None
+        elsewhere, where the modules' dtype decides)."""
+        if not self.fused or self.kv_cache_refusal():
+            return None
+        dtype = quant.kv_cache_dtype()
+        size = torch.empty(0, dtype=dtype).element_size()
+        return sum(2 * heads * (q8_width(dim) if dtype == Q8 else dim * size) for heads, dim in self._fused.kv_shapes)
 
     def kv_cache_refusal(self) -> str | None:
         """Why this model cannot keep the cache that :func:`selfspec.core.quant.kv_cache_mode` asks for (None if it

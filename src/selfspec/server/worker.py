@@ -196,6 +196,9 @@ class Worker:
             return "prefix cache off"
         reason = inexact_reason(self.model.engine)
         size = f"{store.max_bytes / (1 << 20):g} MB"
+        per_token = self.model.engine.kv_bytes_per_token()
+        if per_token:
+            size += f" (about {store.max_bytes / per_token / 1000:.0f}k tokens at {per_token / 1000:.1f} KB a token)"
         return f"prefix cache {size}" if reason is None else f"prefix cache unused ({reason})"
 
     # -- requests ------------------------------------------------------------------------------
