@@ -144,28 +144,36 @@ ACTIVATIONS_ENV = "SELFSPEC_ACTIVATIONS"
 ACTIVATION_MODES = ("auto", "int8", "float32")
 
 
+def _mode_named(what: str, name: str, modes: tuple[str, ...], aliases: dict[str, str]) -> str:
+    """``name`` as one of a process-wide setting's ``modes`` (case and spaces ignored, ``aliases`` mapped)."""
+    key = str(name).strip().lower()
+    key = aliases.get(key, key)
+    if key not in modes:
+        raise SelfspecError(f"{what} must be one of {', '.join(modes)}, not {name!r}")
+    return key
+
+
+@contextlib.contextmanager
+def _setting_within(variable: str, setter, name: str) -> Iterator[None]:
+    """Within this block, ``setter(name)``; the module's ``variable`` as it was afterwards."""
+    old = globals()[variable]
+    setter(name)
+    try:
+        yield
+    finally:
+        globals()[variable] = old
+
+
 def set_activations(name: str) -> None:
     """Process-wide: how decoding products of quantised weights treat their activations (see
     :func:`int8_activations`); takes effect for models loaded afterwards."""
     global _ACTIVATIONS
-    key = str(name).strip().lower()
-    if key == "fp32":
-        key = "float32"
-    if key not in ACTIVATION_MODES:
-        raise SelfspecError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, not {name!r}")
-    _ACTIVATIONS = key
+    _ACTIVATIONS = _mode_named("activations", name, ACTIVATION_MODES, {"fp32": "float32"})
 
 
-@contextlib.contextmanager
-def activations(name: str) -> Iterator[None]:
+def activations(name: str) -> contextlib.AbstractContextManager[None]:
     """Within this block, :func:`set_activations` ``name`` (tests, and comparing the two modes in one process)."""
-    global _ACTIVATIONS
-    old = _ACTIVATIONS
-    set_activations(name)
-    try:
-        yield
-    finally:
-        _ACTIVATIONS = old
+    return _setting_within("_ACTIVATIONS", set_activations, name)
 
 
 _INT8_KIND: int | None = None  # selfspec_int8_kernels() of the loaded library; -1: no native library here
@@ -230,23 +238,12 @@ def set_kv_cache(name: str) -> None:
     """Process-wide: how the fused stack stores keys and values (see :func:`kv_cache_dtype`); takes effect for
     caches made afterwards."""
     global _KV_CACHE
-    key = str(name).strip().lower()
-    key = {"float16": "f16", "half": "f16", "float32": "f32", "q8": "q8_0"}.get(key, key)
-    if key not in KV_CACHE_MODES:
-        raise SelfspecError(f"kv_cache must be one of {', '.join(KV_CACHE_MODES)}, not {name!r}")
-    _KV_CACHE = key
+    _KV_CACHE = _mode_named("kv_cache", name, KV_CACHE_MODES, {"float16": "f16", "float32": "f32", "q8": "q8_0"})
 
 
-@contextlib.contextmanager
-def kv_cache(name: str) -> Iterator[None]:
+def kv_cache(name: str) -> contextlib.AbstractContextManager[None]:
     """Within this block, :func:`set_kv_cache` ``name`` (tests, and comparing caches in one process)."""
-    global _KV_CACHE
-    old = _KV_CACHE
-    set_kv_cache(name)
-    try:
-        yield
-    finally:
-        _KV_CACHE = old
+    return _setting_within("_KV_CACHE", set_kv_cache, name)
 
 
 def kv_cache_mode() -> str:
