@@ -10,7 +10,7 @@ from conftest import tiny_model
 
 import selfspec
 from selfspec.core.cache import Q8, KVCache, q8_decode, q8_encode, q8_width
-from selfspec.core.quant import kv_cache, quantize_linears
+from selfspec.core.quant import kv_cache, quantize_linears, set_kv_cache
 from selfspec.errors import InvalidInputError
 
 
@@ -105,10 +105,17 @@ def test_a_reused_prefix_on_an_8_bit_cache_gives_a_whole_prefills_tokens(smollm2
 
 
 def test_an_8_bit_cache_is_refused_where_it_cannot_be_kept(smollm2_fp32):
+    """Asked for by name, on a model that cannot keep it: a clear error.  Set process-wide, a model on torch's
+    modules keeps its own dtype (the setting is the fused stack's)."""
     with pytest.raises(InvalidInputError, match="kv_cache must be one of"):
         selfspec.load("smollm2-135m", kv_cache="q4")
-    with kv_cache("q8_0"), pytest.raises(InvalidInputError, match="fused CPU stack"):
-        smollm2_fp32.engine.new_cache(16)
+    try:
+        with pytest.raises(InvalidInputError, match="fused CPU stack"):
+            selfspec.load("smollm2-135m", quantize="none", kv_cache="q8_0")
+    finally:
+        set_kv_cache("auto")
+    with kv_cache("q8_0"):
+        assert smollm2_fp32.engine.new_cache(16).dtype is None
     odd = tiny_model("llama", seed=7, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # head size 16
     quantize_linears(odd.hf, 8)
     odd = selfspec.model_from_hf(odd.hf, odd.tokenizer, name="tiny-llama-4x16")

@@ -132,10 +132,12 @@ class Engine:
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache of ``capacity`` slots; on the fused stack its entries are stored as
         :func:`selfspec.core.quant.kv_cache_dtype` says (halves in the int8 speed mode)."""
+        if not self.fused:  # the modules' own dtype (the setting is the fused stack's)
+            return KVCache(self.num_layers, capacity, None)
         refusal = self.kv_cache_refusal()
         if refusal:
             raise InvalidInputError(refusal)
-        return KVCache(self.num_layers, capacity, quant.kv_cache_dtype() if self.fused else None)
+        return KVCache(self.num_layers, capacity, quant.kv_cache_dtype())
 
     def kv_bytes_per_token(self) -> int | None:
         """Bytes of keys and values a token of context holds in a cache of :meth:`new_cache` (fused stack only; None
@@ -148,7 +150,9 @@ class Engine:
 
     def kv_cache_refusal(self) -> str | None:
         """Why this model cannot keep the cache that :func:`selfspec.core.quant.kv_cache_mode` asks for (None if it
-        can): 8-bit blocks are written and read by the fused stack alone, in blocks of 32 values of a head."""
+        can): 8-bit blocks are written and read by the fused stack alone, in blocks of 32 values of a head.  A
+        model on torch's modules caches in its own dtype whatever the process-wide setting; ``load(kv_cache=...)``
+        refuses it with this reason when asked for it by name."""
         if quant.kv_cache_mode() != "q8_0":
             return None
         if not self.fused:

@@ -318,7 +318,7 @@ def load(name: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str = "float3
     with _collector_paused():
         model = _load(name, device=device, dtype=dtype, kernels=kernels, quantize=quantize,
                       prefill_dtype=prefill_dtype, activations=activations, kv_cache=kv_cache)  # fmt: skip
-    refusal = model.engine.kv_cache_refusal()
+    refusal = model.engine.kv_cache_refusal() if kv_cache is not None else None
     if refusal:
         raise InvalidInputError(refusal)
     return model
