@@ -167,6 +167,10 @@ def test_kernels_json_carries_the_text_reports_figures(capsys, monkeypatch, smol
     assert cli.main(["kernels", "--json"]) == 0
     out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert out["one_token_step_ms"] == out["step_ms"]["1"] > 0
-    assert out["step_over_bound"] == pytest.approx(out["one_token_step_ms"] / out["quantized_bound_ms"])
+    # the step against the bound: the median of rounds timing bandwidth and step back to back, its pair reported
+    assert out["step_over_bound"] == pytest.approx(out["bound_step_ms"] / out["quantized_bound_ms"])
+    assert out["quantized_bound_ms"] == pytest.approx(out["quantized_bytes"] / out["bandwidth_gbs"] / 1e6)
+    rounds = out["step_over_bound_rounds"]
+    assert len(rounds) == 3 and rounds == sorted(rounds) and out["step_over_bound"] == rounds[1]
     assert out["int8_kernels"] in ("AVX512-VNNI", "AVX2", "portable C")
     assert set(out["step_spread"]) == set(out["step_ms"]) and isinstance(out["busy"], bool)
