@@ -35,6 +35,12 @@ def q8_width(dim: int) -> int:
     return dim // Q8_BLOCK * Q8_BYTES
 
 
+def row_width(dim: int, dtype: torch.dtype | None) -> int:
+    """The last dimension of a cache buffer of ``dtype`` holding rows of ``dim`` values: the values themselves,
+    or the bytes of their 8-bit blocks."""
+    return q8_width(dim) if dtype == Q8 else dim
+
+
 def q8_encode(x: torch.Tensor) -> torch.Tensor:
     """``x [..., D]`` as 8-bit blocks ``[..., q8_width(D)]`` (int8), as the C code writes them: per 32 values
     the scale d = max |x| / 127 and the codes round(x / d) (ties to even); a block holding an infinity or NaN:
@@ -172,7 +178,7 @@ class KVCache:
             return memo[2]
         pointers = []
         for i, (heads, dim) in enumerate(shapes):
-            dim = q8_width(dim) if dtype == Q8 else dim
+            dim = row_width(dim, dtype)
             for buffers in (self._keys, self._values):
                 buf = buffers[i]
                 if buf is None:
@@ -221,11 +227,10 @@ class KVCache:
         kb = self._keys[layer_idx]
         dtype = self.dtype or k.dtype
         if kb is None:
-            width_k, width_v = (q8_width(k.shape[3]), q8_width(v.shape[3])) if dtype == Q8 else (k.shape[3], v.shape[3])
-            kb = self._keys[layer_idx] = torch.zeros(k.shape[0], k.shape[1], self.capacity, width_k, dtype=dtype,
-                                                     device=k.device)  # fmt: skip
-            self._values[layer_idx] = torch.zeros(v.shape[0], v.shape[1], self.capacity, width_v, dtype=dtype,
-                                                  device=v.device)  # fmt: skip
+            kb = self._keys[layer_idx] = torch.zeros(k.shape[0], k.shape[1], self.capacity,
+                                                     row_width(k.shape[3], dtype), dtype=dtype, device=k.device)
+            self._values[layer_idx] = torch.zeros(v.shape[0], v.shape[1], self.capacity,
+                                                  row_width(v.shape[3], dtype), dtype=dtype, device=v.device)
         vb = self._values[layer_idx]
         if dtype == Q8:
             kb[:, :, start:end] = q8_encode(k)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..arch.adapters import LlamaAdapter
 from ..core import clock, draft_vocab, fused, kernels, native_thread, quant, thread_guard
-from ..core.cache import Q8, Q8_BLOCK, KVCache, q8_width
+from ..core.cache import Q8_BLOCK, KVCache, row_width
 from ..core.skipset import NO_SKIP, SkipSet
 from ..errors import InvalidInputError
 
@@ -146,7 +146,7 @@ class Engine:
             return None
         dtype = quant.kv_cache_dtype()
         size = torch.empty(0, dtype=dtype).element_size()
-        return sum(2 * heads * (q8_width(dim) if dtype == Q8 else dim * size) for heads, dim in self._fused.kv_shapes)
+        return sum(2 * heads * row_width(dim, dtype) * size for heads, dim in self._fused.kv_shapes)
 
     def kv_cache_refusal(self) -> str | None:
         """Why this model cannot keep the cache that :func:`selfspec.core.quant.kv_cache_mode` asks for (None if it
