@@ -31,7 +31,7 @@ def qtiny(request) -> selfspec.Model:
 def prefilled(model: selfspec.Model, prompt_len: int, *, fused: bool):
     engine = model.engine
     engine.fused_enabled = fused
-    cache = engine.new_cache(128)
+    cache = engine.new_cache(max(128, prompt_len + 16))
     ids = torch.arange(prompt_len) % 50 + 5
     engine.forward(cache, ids, 0, prefill=True, last_only=True)
     return engine, cache
@@ -76,6 +76,46 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len)
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     positions = prompt_len + torch.tensor([0, 1, 1, 2])
     tree = engine.forward(cache, torch.tensor([a, b, c, d]), prompt_len, positions=positions, tree_mask=mask)
+    assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
+
+
+LONG = 600  # visible keys in three of attention's blocks of 256 (fused_decoder.c, KEY_BLOCK)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def long_tiny(request) -> selfspec.Model:
+    model = tiny_model(request.param, seed=3, max_position_embeddings=1024)
+    quantize_linears(model.hf, 4)
+    return selfspec.model_from_hf(model.hf, model.tokenizer, name=f"tiny-{request.param}-long")
+
+
+@pytest.mark.usefixtures("fp32_activations")
+def test_attention_in_key_blocks_computes_the_modules_model(long_tiny):
+    """Past 256 visible keys a row's attention runs block by block, the blocks' sums combined in order (a
+    one-token step's blocks shared between threads): still the module path's model."""
+    new = torch.tensor([7, 8, 9])
+    engine, cache = prefilled(long_tiny, LONG, fused=False)
+    ref = engine.forward(cache, new, LONG)
+    engine, cache = prefilled(long_tiny, LONG, fused=True)
+    got = engine.forward(cache, new, LONG)
+    long_tiny.engine.fused_enabled = True
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_a_tokens_logits_past_a_key_block_do_not_depend_on_the_pass(long_tiny):
+    """Past 256 keys, one-token steps (blocks split between threads), a chain and a token tree (a block at a
+    time per row) give each token the same logits bit for bit."""
+    engine, cache = prefilled(long_tiny, LONG, fused=True)
+    a, b, c, d = 7, 8, 9, 10
+    steps = [engine.forward(cache, torch.tensor([tok]), LONG + i)[0] for i, tok in enumerate((a, c, d))]
+    engine, cache = prefilled(long_tiny, LONG, fused=True)
+    chain = engine.forward(cache, torch.tensor([a, c, d]), LONG)
+    assert all(torch.equal(chain[i], steps[i]) for i in range(3))
+    engine, cache = prefilled(long_tiny, LONG, fused=True)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    positions = LONG + torch.tensor([0, 1, 1, 2])
+    tree = engine.forward(cache, torch.tensor([a, b, c, d]), LONG, positions=positions, tree_mask=mask)
     assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
 
 

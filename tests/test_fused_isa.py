@@ -40,33 +40,37 @@ def isa_libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
     return libs
 
 
-def _logits(model: selfspec.Model, lib: ctypes.CDLL | None) -> torch.Tensor:
+def _logits(model: selfspec.Model, lib: ctypes.CDLL | None, prompt: int = PROMPT) -> torch.Tensor:
     """The prompt's last logits, a 5-token chain's and 5 one-token steps' (a verification and the decoding that
-    must agree with it), through the fused stack of `lib` (None: the native one): [11, V]"""
+    must agree with it), through the fused stack of `lib` (None: the native one): [11, V].  A prompt longer
+    than PROMPT goes in passes of PROMPT rows."""
     engine = model.engine
     native = engine._fused
     if lib is not None:
         specs, _ = engine.adapter.fused_layers()
         engine._fused = fused.FusedStack(specs, lib=lib)
     try:
-        cache = engine.new_cache(PROMPT + 16)
-        prompt = engine.forward(cache, torch.arange(PROMPT) % 50 + 5, 0, prefill=True, last_only=True)
+        cache = engine.new_cache(prompt + 16)
+        ids = torch.arange(prompt) % 50 + 5
+        for at in range(0, prompt, PROMPT):
+            last = engine.forward(cache, ids[at : at + PROMPT], at, prefill=at == 0, last_only=True)
         new = torch.tensor([7, 8, 9, 10, 11])
-        chain = engine.forward(cache, new, PROMPT)
-        steps = torch.stack([engine.forward(cache, new[i : i + 1], PROMPT + i)[0] for i in range(len(new))])
+        chain = engine.forward(cache, new, prompt)
+        steps = torch.stack([engine.forward(cache, new[i : i + 1], prompt + i)[0] for i in range(len(new))])
     finally:
         engine._fused = native
-    return torch.cat([prompt.reshape(1, -1), chain, steps])
+    return torch.cat([last.reshape(1, -1), chain, steps])
 
 
-def _assert_builds_agree(model: selfspec.Model, libs: dict[str, ctypes.CDLL], modes: tuple[str, ...]) -> None:
+def _assert_builds_agree(model: selfspec.Model, libs: dict[str, ctypes.CDLL], modes: tuple[str, ...],
+                         prompt: int = PROMPT) -> None:
     assert model.engine.fused, model.engine.fused_reason
     for mode in modes:
         with activations(mode):
-            ref = _logits(model, None)
+            ref = _logits(model, None, prompt)
             assert torch.equal(ref[1:6], ref[6:]), "a chain's rows differ from one-token steps"
             for isa, lib in libs.items():
-                got = _logits(model, lib)
+                got = _logits(model, lib, prompt)
                 assert torch.equal(got, ref), (isa, mode, (got - ref).abs().max().item())
 
 
@@ -80,6 +84,14 @@ def test_every_build_gives_the_built_in_models_the_same_logits(name, request, is
     """SmolLM2 (SiLU, head size 64, 3 query heads per key/value head) and Gemma 3 (GELU, sandwich norms, q/k
     norms, head size 256): prompt, verification and one-token steps alike in every build."""
     _assert_builds_agree(request.getfixturevalue(name), isa_libs, _modes())
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_every_build_combines_attentions_key_blocks_alike(name, request, isa_libs):
+    """After 600 tokens a row's attention runs in three blocks of keys combined in order (fused_decoder.c,
+    KEY_BLOCK), a one-token step's blocks shared between threads: the same logits in every build."""
+    _assert_builds_agree(request.getfixturevalue(name), isa_libs, ("int8",) if int8_kernels_available() else
+                         ("float32",), prompt=600)  # fmt: skip
 
 
 @pytest.mark.parametrize("head_dim", [72, 8])

@@ -120,3 +120,38 @@ def test_the_draft_vocabularys_copy_is_placed_alone_and_let_go_as_it_grows():
         assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
         gc.collect()
         assert hugepages.placed(vocab._x16[0].data_ptr()) and len(hugepages._spans) == mapped
+
+
+@pytest.mark.usefixtures("placing")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int8])
+def test_a_caches_buffers_share_one_placed_mapping_zeroed_and_apart(dtype):
+    """The fused stack's key and value buffers (core/cache.py): one advised mapping for all, each zeroed, aligned,
+    of its own shape, none overlapping another; a prefix loaded into a new cache lands on one too."""
+    from selfspec.core.cache import KVCache
+
+    shapes = [(3, 64), (1, 256), (2, 64)]
+    cache = KVCache(len(shapes), 40, dtype)
+    cache.buffer_pointers(shapes, dtype)
+    bufs = cache._keys + cache._values
+    for b, (heads, dim) in zip(bufs, shapes + shapes, strict=True):
+        width = dim // 32 * 36 if dtype == torch.int8 else dim
+        assert b.shape == (1, heads, 40, width) and b.dtype == dtype and b.is_contiguous()
+        assert hugepages.placed(b.data_ptr()) and b.data_ptr() % hugepages.ALIGN == 0
+        assert not b.any()
+    for i, b in enumerate(bufs):
+        b.fill_(i + 1)
+    assert all(bool((b == i + 1).all()) for i, b in enumerate(bufs))  # no buffer wrote over another
+    again = KVCache(len(shapes), 64, dtype)
+    again.load_prefix(cache.prefix(30), 30)
+    assert all(hugepages.placed(b.data_ptr()) for b in again._keys + again._values)
+    assert all(torch.equal(a[:, :, :30], b[:, :, :30]) for a, b in zip(again._keys, cache._keys, strict=True))
+    assert not again._keys[0][:, :, 30:].any()
+
+
+def test_without_huge_pages_a_caches_buffers_are_torchs(monkeypatch):
+    from selfspec.core.cache import KVCache
+
+    monkeypatch.setenv(hugepages.HUGE_PAGES_ENV, "0")
+    cache = KVCache(1, 16, torch.float16)
+    cache.buffer_pointers([(2, 64)], torch.float16)
+    assert not hugepages.placed(cache._keys[0].data_ptr()) and not cache._keys[0].any()

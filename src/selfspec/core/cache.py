@@ -17,12 +17,18 @@ widened.  A cache of dtype :data:`Q8` (``torch.int8``) holds 8-bit blocks, as
 signed codes and their float32 scale (36 bytes), so its buffers' last dimension
 is :func:`q8_width` of the head size; :func:`q8_encode` and :func:`q8_decode`
 are the same arithmetic in torch, bit for bit.
+
+On the CPU the buffers of one cache share one mapping on 2 MB pages (:func:`zeroed_buffers`): a one-token step
+reads every key and value it may see, tens of MB after a few thousand tokens, and on 4 KB pages that stream
+crossed a page every 32 keys of a head (a TLB miss each, and the prefetchers stop at page boundaries).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from . import hugepages
 
 Q8 = torch.int8  # a cache dtype: 8-bit blocks (module docstring)
 Q8_BLOCK, Q8_BYTES = 32, 36  # values per block; its bytes: the codes, then the scale
@@ -63,6 +69,25 @@ def q8_decode(b: torch.Tensor) -> torch.Tensor:
     blocks = b.reshape(*lead, width // Q8_BYTES, Q8_BYTES)
     scale = blocks[..., Q8_BLOCK:].contiguous().view(torch.float32)
     return (blocks[..., :Q8_BLOCK].to(torch.float32) * scale).reshape(*lead, width // Q8_BYTES * Q8_BLOCK)
+
+
+def zeroed_buffers(shapes: list[tuple[int, int]], capacity: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Zeroed cache buffers ``[1, heads, capacity, width]`` of ``dtype``, one per ``(heads, width)`` of
+    ``shapes``: on the CPU carved from one fresh mapping advised for 2 MB pages (:mod:`hugepages`; fresh
+    anonymous memory reads as zeros, and only the pages written become resident), each 64-byte aligned;
+    elsewhere, or where huge pages are off, ``torch.zeros`` each."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    counts = [heads * capacity * width for heads, width in shapes]
+    if torch.device(device).type != "cpu" or not hugepages.enabled() or not counts:
+        return [torch.zeros(1, h, capacity, w, dtype=dtype, device=device) for h, w in shapes]
+    offsets, total = [], 0
+    for n in counts:
+        offsets.append(total)
+        total += -(-n * size // hugepages.ALIGN) * hugepages.ALIGN
+    arena = torch.from_numpy(hugepages.empty((total,), np.uint8, alone=True))
+    return [arena[o : o + n * size].view(dtype).view(1, h, capacity, w)
+            for o, n, (h, w) in zip(offsets, counts, shapes, strict=True)]  # fmt: skip
 
 
 def kv_kind(dtype: torch.dtype | None) -> int:
@@ -159,13 +184,19 @@ class KVCache:
         if length > self.capacity:
             raise RuntimeError(f"KV cache overflow: need {length} slots, have {self.capacity}")
         with torch.inference_mode():  # like the buffers Engine.forward allocates: inference tensors
-            for i, (k, v) in enumerate(layers):
-                for buffers, src in ((self._keys, k), (self._values, v)):
-                    if self.dtype is not None and src.dtype != self.dtype:
-                        raise RuntimeError(f"a prefix of {src.dtype} entries for a cache of {self.dtype}")
-                    buf = torch.zeros(1, src.shape[1], self.capacity, src.shape[3], dtype=src.dtype, device=src.device)
-                    buf[:, :, :length] = src[:, :, :length]
-                    buffers[i] = buf
+            sources = [(buffers, i, src) for i, (k, v) in enumerate(layers)
+                       for buffers, src in ((self._keys, k), (self._values, v))]  # fmt: skip
+            if not sources:
+                return self.commit(length)
+            first = sources[0][2]
+            for _, _, src in sources:
+                if src.dtype != (self.dtype or first.dtype):
+                    raise RuntimeError(f"a prefix of {src.dtype} entries for a cache of {self.dtype or first.dtype}")
+            made = zeroed_buffers([(src.shape[1], src.shape[3]) for _, _, src in sources], self.capacity,
+                                  first.dtype, first.device)  # fmt: skip
+            for (buffers, i, src), buf in zip(sources, made, strict=True):
+                buf[:, :, :length] = src[:, :, :length]
+                buffers[i] = buf
         self.commit(length)
 
     def buffer_pointers(self, shapes: list[tuple[int, int]], dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -176,13 +207,17 @@ class KVCache:
         memo = self._pointers
         if memo is not None and memo[0] is shapes and memo[1] == dtype:
             return memo[2]
+        missing = [(buffers, i) for i in range(len(shapes)) for buffers in (self._keys, self._values)
+                   if buffers[i] is None]  # fmt: skip
+        made = zeroed_buffers([(shapes[i][0], row_width(shapes[i][1], dtype)) for _, i in missing], self.capacity,
+                              dtype)  # fmt: skip
+        for (buffers, i), buf in zip(missing, made, strict=True):
+            buffers[i] = buf
         pointers = []
         for i, (heads, dim) in enumerate(shapes):
             dim = row_width(dim, dtype)
             for buffers in (self._keys, self._values):
                 buf = buffers[i]
-                if buf is None:
-                    buf = buffers[i] = torch.zeros(1, heads, self.capacity, dim, dtype=dtype)
                 if buf.shape != (1, heads, self.capacity, dim) or buf.dtype != dtype or not buf.is_contiguous():
                     raise RuntimeError(f"layer {i}: cache buffer {tuple(buf.shape)} {buf.dtype} does not fit")
             pointers.append((self._keys[i].data_ptr(), self._values[i].data_ptr()))

@@ -66,6 +66,7 @@ typedef struct {
     void *xq;
     int *failed;
     int kv; /* how the cache holds its entries: KV_F32, KV_F16 or KV_Q8 */
+    float *blocks; /* shared scratch of attention's key blocks when few rows split them between threads, or NULL */
 } pass_t;
 
 #define PROMPT_ROWS 65
@@ -738,14 +739,30 @@ static void scores(int R, int kv, const float *q, const void *kc, long hd, const
 }
 #endif
 
-/* R query rows of one key/value head (contiguous in q and out, hd apart) attending over the same allowed cache
- * slots; p: scratch of R rows pstride apart; out: [R, hd] */
-static void attend_rows(int R, int kv, const float *q, const void *kc, const void *vc, long hd, long nkeys,
-                        const uint8_t *allow, float scaling, long *list, float *p, long pstride, float *out) {
+/* Attention runs over a row's visible keys in blocks of KEY_BLOCK (in the order of its list of visible keys): each
+ * block's softmax numerators are taken against the block's own greatest score, and the blocks' sums are combined
+ * in block order (combine_blocks).  The blocks do not depend on the pass (how many rows, which threads), so a
+ * row's result is the same in a one-token step, a verification or a prompt; a row seeing at most KEY_BLOCK keys
+ * gets exactly one softmax.  Blocks let the few rows of a decoding step share their keys between threads
+ * (split_keys): a one-token step of a model with 1-3 key/value heads otherwise left a thread idle, or read the
+ * keys once per query head. */
+#define KEY_BLOCK 256
+
+static inline long key_blocks(long m) { return m > KEY_BLOCK ? (m + KEY_BLOCK - 1) / KEY_BLOCK : 1; }
+
+/* The visible slots of a row (allow[j] set, or all nkeys) into list; returns how many */
+static long visible_list(long nkeys, const uint8_t *allow, long *list) {
     long m = 0;
     for (long j = 0; j < nkeys; j++)
         if (!allow || allow[j]) list[m++] = j;
-    float mx[RMAX], denom[RMAX];
+    return m;
+}
+
+/* One block of R query rows of one key/value head (contiguous in q, hd apart) over the keys list[0..m): each
+ * row's greatest score mx[r], the sum of its softmax numerators den[r], and their weighted sum of the values in
+ * out [R, hd] (not yet divided); p: scratch of R rows pstride apart */
+static void attend_block(int R, int kv, const float *q, const void *kc, const void *vc, long hd, const long *list,
+                         long m, float scaling, float *p, long pstride, float *out, float *mx, float *den) {
     scores(R, kv, q, kc, hd, list, m, scaling, p, pstride, mx);
     for (int r = 0; r < R; r++) {
         float *pr = p + r * pstride;
@@ -755,11 +772,48 @@ static void attend_rows(int R, int kv, const float *q, const void *kc, const voi
         for (; i + LANES <= m; i += LANES)
             for (int l = 0; l < LANES; l++) acc[l] = acc[l] + pr[i + l];
         for (int l = 0; i < m; i++, l++) acc[l] = acc[l] + pr[i];
-        denom[r] = lane_sum(acc);
+        den[r] = lane_sum(acc);
     }
     weighted_values(R, kv, p, pstride, list, m, vc, hd, out);
+}
+
+/* One row's attention out [hd] from its nb blocks (block b: mx[b * mstride], den[b * mstride], its values' sum
+ * at part + b * pstride): one block divided by its sum; several scaled by e^(mx_b - max) and summed in block
+ * order, then divided. */
+static void combine_blocks(long nb, const float *mx, const float *den, long mstride, const float *part,
+                           long pstride, long hd, float *out) {
+    if (nb == 1) {
+        for (long d = 0; d < hd; d++) out[d] = part[d] / den[0];
+        return;
+    }
+    float top = mx[0];
+    for (long b = 1; b < nb; b++) top = mx[b * mstride] > top ? mx[b * mstride] : top;
+    float sum = 0.0f;
+    for (long d = 0; d < hd; d++) out[d] = 0.0f;
+    for (long b = 0; b < nb; b++) {
+        const float w = exp_neg(mx[b * mstride] - top);
+        sum = sum + w * den[b * mstride];
+        const float *pb = part + b * pstride;
+        for (long d = 0; d < hd; d++) out[d] = out[d] + w * pb[d];
+    }
+    for (long d = 0; d < hd; d++) out[d] = out[d] / sum;
+}
+
+/* R query rows of one key/value head (contiguous in q and out, hd apart) attending over the same allowed cache
+ * slots, block after block; p: scratch of R rows pstride apart; part: scratch of key_blocks(nkeys) * RMAX * (hd
+ * + 2) floats; out: [R, hd] */
+static void attend_rows(int R, int kv, const float *q, const void *kc, const void *vc, long hd, long nkeys,
+                        const uint8_t *allow, float scaling, long *list, float *p, long pstride, float *part,
+                        float *out) {
+    const long m = visible_list(nkeys, allow, list), nb = key_blocks(m);
+    float *mx = part + nb * RMAX * hd, *den = mx + nb * RMAX;
+    for (long b = 0; b < nb; b++) {
+        const long lo = b * KEY_BLOCK, len = m - lo < KEY_BLOCK || nb == 1 ? m - lo : KEY_BLOCK;
+        attend_block(R, kv, q, kc, vc, hd, list + lo, len, scaling, p + lo, pstride, part + b * RMAX * hd,
+                     mx + b * RMAX, den + b * RMAX);
+    }
     for (int r = 0; r < R; r++)
-        for (long d = 0; d < hd; d++) out[r * hd + d] = out[r * hd + d] / denom[r];
+        combine_blocks(nb, mx + r, den + r, RMAX, part + r * hd, RMAX * hd, hd, out + r * hd);
 }
 
 /* How many query heads of one key/value head to attend together: the most (up to RMAX; a key/value head's
@@ -846,11 +900,60 @@ static void add_residual(const float *out_norm, float off, float eps, long T, lo
     }
 }
 
+/* The cache slots row r may see: returns its mask row (NULL: causal) and sets *nkeys to how many slots it spans */
+static inline const uint8_t *row_keys(const seqs_t *sq, row_t r, long *nkeys) {
+    const long start = sq->start[r.s], all = start + sq->off[r.s + 1] - sq->off[r.s];
+    *nkeys = r.io->mask ? all : start + r.t + 1;
+    return r.io->mask ? r.io->mask + r.t * all : NULL;
+}
+
+/* Whether the rows of a pass share their key blocks between threads: where its rows and key/value heads alone
+ * (each head's query heads together, up to RMAX) give a thread fewer than 4 work items, and some row sees more
+ * than one block (keys: the most any row of the pass may see) */
+static int split_keys(long T, long n_kv, long groups, long keys, int threads) {
+    return keys > KEY_BLOCK && T * n_kv * ((groups + RMAX - 1) / RMAX) < 4 * threads;
+}
+
+/* Attention of a pass's few rows with their key blocks shared out between threads (split_keys): each work item
+ * one block of one row's query heads of one key/value head, into ps->blocks; then each row's blocks combined,
+ * as attend_rows combines them (the same numbers).  Two work-sharing loops, each with its barrier. */
+static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T, const float *q, float *a,
+                         long *list, float *p, long pstride, const pass_t *ps) {
+    const long nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
+    const long R = groups < RMAX ? groups : RMAX, per_t = (groups + R - 1) / R, nbmax = key_blocks(pstride);
+    float *part = ps->blocks, *mx = part + T * nbmax * nh * hd, *den = mx + T * nbmax * nh;
+#pragma omp for schedule(static)
+    for (long it = 0; it < nkv * T * per_t * nbmax; it++) { /* by key/value head, then row, then block */
+        const long b = it % nbmax, c = it / nbmax % per_t, t = it / (nbmax * per_t) % T;
+        const long g = it / (nbmax * per_t * T), hh = g * groups + c * R;
+        const int heads = (int)(groups - c * R < R ? groups - c * R : R);
+        const row_t r = row_of(sq, layer, t);
+        const long cap = sq->cap[r.s];
+        long nkeys;
+        const uint8_t *allow = row_keys(sq, r, &nkeys);
+        const long m = visible_list(nkeys, allow, list), nb = key_blocks(m), lo = b * KEY_BLOCK;
+        if (b >= nb) continue;
+        const long len = nb == 1 || m - lo < KEY_BLOCK ? m - lo : KEY_BLOCK, at = (t * nbmax + b) * nh + hh;
+        attend_block(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
+                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, list + lo, len, (float)L->scaling, p + lo, pstride,
+                     part + at * hd, mx + at, den + at);
+    }
+#pragma omp for schedule(static)
+    for (long th = 0; th < T * nh; th++) {
+        const long t = th / nh, hh = th % nh;
+        long nkeys, m = 0;
+        const uint8_t *allow = row_keys(sq, row_of(sq, layer, t), &nkeys);
+        for (long j = 0; j < nkeys; j++) m += !allow || allow[j];
+        const long at = t * nbmax * nh + hh;
+        combine_blocks(key_blocks(m), mx + at, den + at, nh, part + at * hd, nh * hd, hd, a + th * hd);
+    }
+}
+
 /* The blocks below run inside one parallel region (every thread calls them): products and per-row work are
  * shared out with work-sharing loops, each followed by the barrier its readers need.  list, p: this thread's
  * scratch for attention (start + T entries). */
 static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long T, float *h, float *x, float *q,
-                            float *k, float *v, float *a, float *o, long *list, float *p, long pstride,
+                            float *k, float *v, float *a, float *o, long *list, float *p, long pstride, float *part,
                             const cosines *cos, long slot, const pass_t *ps) {
     const long H = L->hidden, nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
     const float eps = (float)L->eps, off = (float)L->norm_offset;
@@ -881,20 +984,23 @@ static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long
             kv_put(r.io->v, (g * cap + start + r.t) * hd, v + (t * nkv + g) * hd, hd, ps->kv);
         }
     }
-    const int R = heads_together(T, nkv, groups, omp_get_num_threads());
-    const long per_t = (groups + R - 1) / R; /* work items per token and key/value head */
+    if (ps->blocks && split_keys(T, nkv, groups, pstride, omp_get_num_threads())) {
+        attend_split(L, layer, sq, T, q, a, list, p, pstride, ps);
+    } else {
+        const int R = heads_together(T, nkv, groups, omp_get_num_threads());
+        const long per_t = (groups + R - 1) / R; /* work items per token and key/value head */
 #pragma omp for schedule(static)
-    for (long it = 0; it < nkv * T * per_t; it++) { /* key/value head by key/value head: its cache stays hot */
-        const long g = it / (T * per_t), t = it / per_t % T, c = it % per_t, hh = g * groups + c * R;
-        const int heads = (int)(groups - c * R < R ? groups - c * R : R); /* the last chunk: the heads left */
-        const row_t r = row_of(sq, layer, t);
-        const long start = sq->start[r.s], cap = sq->cap[r.s];
-        const long nkeys = start + sq->off[r.s + 1] - sq->off[r.s];
-        const uint8_t *allow = r.io->mask ? r.io->mask + r.t * nkeys : NULL;
-        const long visible = r.io->mask ? nkeys : start + r.t + 1;
-        attend_rows(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
-                    kv_at(r.io->v, g * cap * hd, ps->kv), hd, visible, allow,
-                    (float)L->scaling, list, p, pstride, a + (t * nh + hh) * hd);
+        for (long it = 0; it < nkv * T * per_t; it++) { /* key/value head by key/value head: its cache stays hot */
+            const long g = it / (T * per_t), t = it / per_t % T, c = it % per_t, hh = g * groups + c * R;
+            const int heads = (int)(groups - c * R < R ? groups - c * R : R); /* the last chunk: the heads left */
+            const row_t r = row_of(sq, layer, t);
+            const long cap = sq->cap[r.s];
+            long visible;
+            const uint8_t *allow = row_keys(sq, r, &visible);
+            attend_rows(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
+                        kv_at(r.io->v, g * cap * hd, ps->kv), hd, visible, allow, (float)L->scaling, list, p,
+                        pstride, part, a + (t * nh + hh) * hd);
+        }
     }
     quantize(T, nh * hd, a, ps);
     matmul(&L->o, T, a, o, ps);
@@ -930,16 +1036,22 @@ int selfspec_pass_threads(void); /* int8_kernels.c */
 static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *sq, long T, float *h,
                       float *cosine_out, int bulk, int int8, int kv) {
     const long n = sq->layers;
-    long width = 0, inter = 0, keys = 0;
+    const int threads = selfspec_pass_threads();
+    long width = 0, inter = 0, keys = 0, hd = 0, split_floats = 0;
+    for (long s = 0; s < sq->n; s++) {
+        const long ks = sq->start[s] + sq->off[s + 1] - sq->off[s];
+        keys = ks > keys ? ks : keys;
+    }
     for (long i = 0; i < n; i++) {
         const layer_t *L = layers + i;
         const long w = L->hidden > L->n_heads * L->head_dim ? L->hidden : L->n_heads * L->head_dim;
         width = w > width ? w : width;
         inter = L->inter > inter ? L->inter : inter;
-    }
-    for (long s = 0; s < sq->n; s++) {
-        const long ks = sq->start[s] + sq->off[s + 1] - sq->off[s];
-        keys = ks > keys ? ks : keys;
+        hd = L->head_dim > hd ? L->head_dim : hd;
+        if (split_keys(T, L->n_kv, L->n_heads / L->n_kv, keys, threads)) {
+            const long f = T * key_blocks(keys) * L->n_heads * (L->head_dim + 2);
+            split_floats = f > split_floats ? f : split_floats;
+        }
     }
     /* 64-byte aligned rows (hidden sizes are multiples of 16 floats): a vector load that straddles two cache
      * lines costs two, and a prompt pass ran at 0.6 of its speed whenever malloc handed out a misaligned block */
@@ -957,13 +1069,15 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
         free(buf);
         return -1;
     }
-    int failed = 0;
-    const pass_t ps = {bulk, xq, &failed, kv};
-#pragma omp parallel num_threads(selfspec_pass_threads())
+    float *blocks = split_floats ? malloc(split_floats * sizeof(float)) : NULL;
+    int failed = split_floats && !blocks;
+    const pass_t ps = {bulk, xq, &failed, kv, blocks};
+#pragma omp parallel num_threads(threads)
     {
         long *list = malloc(keys * sizeof(long));
         float *p = malloc(RMAX * keys * sizeof(float));
-        if (!list || !p) {
+        float *part = malloc(key_blocks(keys) * RMAX * (hd + 2) * sizeof(float));
+        if (!list || !p || !part) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -971,12 +1085,14 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
         for (long i = 0; i < n && !failed; i++) {  /* every thread reads the same `failed` after the barrier */
             const layer_t *L = layers + i;
             if (!skip[2 * i])
-                attention_block(L, i, sq, T, h, x, q, k, v, a, o, list, p, keys, &cos, 2 * i, &ps);
+                attention_block(L, i, sq, T, h, x, q, k, v, a, o, list, p, keys, part, &cos, 2 * i, &ps);
             if (!skip[2 * i + 1]) mlp_block(L, T, h, x, g, u, o, &cos, 2 * i + 1, &ps);
         }
         free(list);
         free(p);
+        free(part);
     }
+    free(blocks);
     free(buf);
     free(xq);
     return failed ? -1 : 0;

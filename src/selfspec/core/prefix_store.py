@@ -104,9 +104,11 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        """The memory the entry keeps: its tensors' whole storage (a cache handed over whole, see
-        :meth:`PrefixStore.save`, keeps its slots past the entry's tokens too)."""
-        return sum(t.untyped_storage().nbytes() for pair in self.layers for t in pair)
+        """The memory the entry keeps: its tensors' whole storage, each storage once (a cache handed over whole,
+        see :meth:`PrefixStore.save`, keeps its slots past the entry's tokens too, and its buffers may share
+        one mapping: core/cache.py)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for pair in self.layers for t in pair}
+        return sum(storages.values())
 
 
 @dataclass(frozen=True)
