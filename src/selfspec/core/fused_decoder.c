@@ -931,9 +931,11 @@ static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T,
         const long cap = sq->cap[r.s];
         long nkeys;
         const uint8_t *allow = row_keys(sq, r, &nkeys);
-        const long m = visible_list(nkeys, allow, list), nb = key_blocks(m), lo = b * KEY_BLOCK;
+        const long m = allow ? visible_list(nkeys, allow, list) : nkeys, nb = key_blocks(m), lo = b * KEY_BLOCK;
         if (b >= nb) continue;
         const long len = nb == 1 || m - lo < KEY_BLOCK ? m - lo : KEY_BLOCK, at = (t * nbmax + b) * nh + hh;
+        if (!allow)
+            for (long j = lo; j < lo + len; j++) list[j] = j; /* causal: the block's own slots, not the whole list */
         attend_block(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
                      kv_at(r.io->v, g * cap * hd, ps->kv), hd, list + lo, len, (float)L->scaling, p + lo, pstride,
                      part + at * hd, mx + at, den + at);
@@ -943,7 +945,10 @@ static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T,
         const long t = th / nh, hh = th % nh;
         long nkeys, m = 0;
         const uint8_t *allow = row_keys(sq, row_of(sq, layer, t), &nkeys);
-        for (long j = 0; j < nkeys; j++) m += !allow || allow[j];
+        if (allow)
+            for (long j = 0; j < nkeys; j++) m += allow[j];
+        else
+            m = nkeys;
         const long at = t * nbmax * nh + hh;
         combine_blocks(key_blocks(m), mx + at, den + at, nh, part + at * hd, nh * hd, hd, a + th * hd);
     }
