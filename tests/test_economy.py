@@ -317,3 +317,19 @@ def test_other_load_sees_another_process_spinning_on_our_cpus():
         spinner.wait()
     assert other.cores > 0.5 and other.busy
     assert own.cores < other.cores
+
+
+def test_a_cache_form_of_its_own_gets_a_profile_of_its_own(smollm2):
+    """The cost profile is keyed by the KV cache's form where it is not the activations' own (an 8-bit cache's
+    attention costs otherwise), and the default keeps its key whichever way it is named."""
+    from selfspec.core import quant
+    from selfspec.cost import costs
+
+    default = costs.profile_key(smollm2)
+    with quant.kv_cache("q8_0"):
+        eight = costs.profile_key(smollm2)
+    named = "f16" if quant.int8_activations() else "f32"
+    with quant.kv_cache(named):
+        same = costs.profile_key(smollm2)
+    assert eight != default and "-kvq8" in eight
+    assert same == default
