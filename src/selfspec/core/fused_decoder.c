@@ -67,6 +67,7 @@ typedef struct {
     int *failed;
     int kv; /* how the cache holds its entries: KV_F32, KV_F16 or KV_Q8 */
     float *blocks; /* shared scratch of attention's key blocks when few rows split them between threads, or NULL */
+    const long *ident; /* 0, 1, ..., the most keys a row of the pass sees: a causal row's visible slots */
 } pass_t;
 
 #define PROMPT_ROWS 65
@@ -750,7 +751,8 @@ static void scores(int R, int kv, const float *q, const void *kc, long hd, const
 
 static inline long key_blocks(long m) { return m > KEY_BLOCK ? (m + KEY_BLOCK - 1) / KEY_BLOCK : 1; }
 
-/* The visible slots of a row (allow[j] set, or all nkeys) into list; returns how many */
+/* The visible slots of a masked row (allow[j] set; every one of nkeys where allow is NULL) into list; returns how
+ * many (a causal row reads pass_t.ident instead) */
 static long visible_list(long nkeys, const uint8_t *allow, long *list) {
     long m = 0;
     for (long j = 0; j < nkeys; j++)
@@ -800,16 +802,18 @@ static void combine_blocks(long nb, const float *mx, const float *den, long mstr
 }
 
 /* R query rows of one key/value head (contiguous in q and out, hd apart) attending over the same allowed cache
- * slots, block after block; p: scratch of R rows pstride apart; part: scratch of key_blocks(nkeys) * RMAX * (hd
+ * slots, block after block (a causal row's slots: ident, the others' listed in list); p: scratch of R rows pstride
+ * apart; part: scratch of key_blocks(nkeys) * RMAX * (hd
  * + 2) floats; out: [R, hd] */
 static void attend_rows(int R, int kv, const float *q, const void *kc, const void *vc, long hd, long nkeys,
-                        const uint8_t *allow, float scaling, long *list, float *p, long pstride, float *part,
-                        float *out) {
-    const long m = visible_list(nkeys, allow, list), nb = key_blocks(m);
+                        const uint8_t *allow, float scaling, long *list, const long *ident, float *p, long pstride,
+                        float *part, float *out) {
+    const long m = allow ? visible_list(nkeys, allow, list) : nkeys, nb = key_blocks(m);
+    const long *slots = allow ? list : ident;
     float *mx = part + nb * RMAX * hd, *den = mx + nb * RMAX;
     for (long b = 0; b < nb; b++) {
         const long lo = b * KEY_BLOCK, len = m - lo < KEY_BLOCK || nb == 1 ? m - lo : KEY_BLOCK;
-        attend_block(R, kv, q, kc, vc, hd, list + lo, len, scaling, p + lo, pstride, part + b * RMAX * hd,
+        attend_block(R, kv, q, kc, vc, hd, slots + lo, len, scaling, p + lo, pstride, part + b * RMAX * hd,
                      mx + b * RMAX, den + b * RMAX);
     }
     for (int r = 0; r < R; r++)
@@ -934,10 +938,8 @@ static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T,
         const long m = allow ? visible_list(nkeys, allow, list) : nkeys, nb = key_blocks(m), lo = b * KEY_BLOCK;
         if (b >= nb) continue;
         const long len = nb == 1 || m - lo < KEY_BLOCK ? m - lo : KEY_BLOCK, at = (t * nbmax + b) * nh + hh;
-        if (!allow)
-            for (long j = lo; j < lo + len; j++) list[j] = j; /* causal: the block's own slots, not the whole list */
         attend_block(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
-                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, list + lo, len, (float)L->scaling, p + lo, pstride,
+                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, (allow ? list : ps->ident) + lo, len, (float)L->scaling, p + lo, pstride,
                      part + at * hd, mx + at, den + at);
     }
 #pragma omp for schedule(static)
@@ -1003,8 +1005,8 @@ static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long
             long visible;
             const uint8_t *allow = row_keys(sq, r, &visible);
             attend_rows(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
-                        kv_at(r.io->v, g * cap * hd, ps->kv), hd, visible, allow, (float)L->scaling, list, p,
-                        pstride, part, a + (t * nh + hh) * hd);
+                        kv_at(r.io->v, g * cap * hd, ps->kv), hd, visible, allow, (float)L->scaling, list,
+                        ps->ident, p, pstride, part, a + (t * nh + hh) * hd);
         }
     }
     quantize(T, nh * hd, a, ps);
@@ -1075,8 +1077,11 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
         return -1;
     }
     float *blocks = split_floats ? malloc(split_floats * sizeof(float)) : NULL;
-    int failed = split_floats && !blocks;
-    const pass_t ps = {bulk, xq, &failed, kv, blocks};
+    long *ident = malloc((keys > 0 ? keys : 1) * sizeof(long));
+    int failed = (split_floats && !blocks) || !ident;
+    if (ident)
+        for (long j = 0; j < keys; j++) ident[j] = j;
+    const pass_t ps = {bulk, xq, &failed, kv, blocks, ident};
 #pragma omp parallel num_threads(threads)
     {
         long *list = malloc(keys * sizeof(long));
@@ -1098,6 +1103,7 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
         free(part);
     }
     free(blocks);
+    free(ident);
     free(buf);
     free(xq);
     return failed ? -1 : 0;
