@@ -62,21 +62,26 @@ def test_fused_stack_computes_the_modules_model(qtiny, prompt_len):
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("prompt_len", [10, 40])
-def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len):
-    """One-token steps, a chain and a token tree give each token the same logits bit for bit."""
-    engine, cache = prefilled(qtiny, prompt_len, fused=True)
+def _assert_steps_chain_and_tree_agree(model: selfspec.Model, prompt_len: int) -> None:
+    """One-token steps, a chain and a token tree after ``prompt_len`` tokens: each token's logits bit for bit."""
+    engine, cache = prefilled(model, prompt_len, fused=True)
     a, b, c, d = 7, 8, 9, 10
     steps = [engine.forward(cache, torch.tensor([tok]), prompt_len + i)[0] for i, tok in enumerate((a, c, d))]
-    engine, cache = prefilled(qtiny, prompt_len, fused=True)
+    engine, cache = prefilled(model, prompt_len, fused=True)
     chain = engine.forward(cache, torch.tensor([a, c, d]), prompt_len)
     assert all(torch.equal(chain[i], steps[i]) for i in range(3))
     # tree: a -> {b, c}, c -> d, linearised as a, b, c, d (d's ancestors a, c sit at slots 0 and 2)
-    engine, cache = prefilled(qtiny, prompt_len, fused=True)
+    engine, cache = prefilled(model, prompt_len, fused=True)
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     positions = prompt_len + torch.tensor([0, 1, 1, 2])
     tree = engine.forward(cache, torch.tensor([a, b, c, d]), prompt_len, positions=positions, tree_mask=mask)
     assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
+
+
+@pytest.mark.parametrize("prompt_len", [10, 40])
+def test_a_tokens_logits_do_not_depend_on_how_it_was_verified(qtiny, prompt_len):
+    """One-token steps, a chain and a token tree give each token the same logits bit for bit."""
+    _assert_steps_chain_and_tree_agree(qtiny, prompt_len)
 
 
 LONG = 600  # visible keys in three of attention's blocks of 256 (fused_decoder.c, KEY_BLOCK)
@@ -106,17 +111,7 @@ def test_attention_in_key_blocks_computes_the_modules_model(long_tiny):
 def test_a_tokens_logits_past_a_key_block_do_not_depend_on_the_pass(long_tiny):
     """Past 256 keys, one-token steps (blocks split between threads), a chain and a token tree (a block at a
     time per row) give each token the same logits bit for bit."""
-    engine, cache = prefilled(long_tiny, LONG, fused=True)
-    a, b, c, d = 7, 8, 9, 10
-    steps = [engine.forward(cache, torch.tensor([tok]), LONG + i)[0] for i, tok in enumerate((a, c, d))]
-    engine, cache = prefilled(long_tiny, LONG, fused=True)
-    chain = engine.forward(cache, torch.tensor([a, c, d]), LONG)
-    assert all(torch.equal(chain[i], steps[i]) for i in range(3))
-    engine, cache = prefilled(long_tiny, LONG, fused=True)
-    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    positions = LONG + torch.tensor([0, 1, 1, 2])
-    tree = engine.forward(cache, torch.tensor([a, b, c, d]), LONG, positions=positions, tree_mask=mask)
-    assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
+    _assert_steps_chain_and_tree_agree(long_tiny, LONG)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
