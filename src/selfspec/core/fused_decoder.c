@@ -803,8 +803,7 @@ static void combine_blocks(long nb, const float *mx, const float *den, long mstr
 
 /* R query rows of one key/value head (contiguous in q and out, hd apart) attending over the same allowed cache
  * slots, block after block (a causal row's slots: ident, the others' listed in list); p: scratch of R rows pstride
- * apart; part: scratch of key_blocks(nkeys) * RMAX * (hd
- * + 2) floats; out: [R, hd] */
+ * apart; part: scratch of key_blocks(nkeys) * RMAX * (hd + 2) floats; out: [R, hd] */
 static void attend_rows(int R, int kv, const float *q, const void *kc, const void *vc, long hd, long nkeys,
                         const uint8_t *allow, float scaling, long *list, const long *ident, float *p, long pstride,
                         float *part, float *out) {
@@ -939,8 +938,8 @@ static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T,
         if (b >= nb) continue;
         const long len = nb == 1 || m - lo < KEY_BLOCK ? m - lo : KEY_BLOCK, at = (t * nbmax + b) * nh + hh;
         attend_block(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
-                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, (allow ? list : ps->ident) + lo, len, (float)L->scaling, p + lo, pstride,
-                     part + at * hd, mx + at, den + at);
+                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, (allow ? list : ps->ident) + lo, len,
+                     (float)L->scaling, p + lo, pstride, part + at * hd, mx + at, den + at);
     }
 #pragma omp for schedule(static)
     for (long th = 0; th < T * nh; th++) {
