@@ -264,8 +264,13 @@ def kv_cache_dtype() -> torch.dtype:
     speculative decoding stays lossless under each."""
     mode = kv_cache_mode()
     if mode == "auto":
-        return torch.float16 if int8_activations() else torch.float32
+        return kv_cache_auto_dtype()
     return {"f16": torch.float16, "f32": torch.float32, "q8_0": torch.int8}[mode]
+
+
+def kv_cache_auto_dtype() -> torch.dtype:
+    """What ``auto`` stores: halves under int8 activations, else float32 (see :func:`kv_cache_dtype`)."""
+    return torch.float16 if int8_activations() else torch.float32
 
 
 def split_products_available() -> bool:

@@ -248,12 +248,12 @@ def profile_key(model) -> str:
     place = f"{model.adapter.device}-{str(model.adapter.dtype).replace('torch.', '')}-t{native_thread.threads()}"
     quant = getattr(model, "quantization", "none")
     if quant != "none":
-        from ..core.quant import int8_activations, kv_cache_dtype
+        from ..core.quant import int8_activations, kv_cache_auto_dtype, kv_cache_dtype
 
         place += "-" + "".join(ch if ch.isalnum() else "_" for ch in quant)
         place += "-a8" if int8_activations() else ""  # int8 activations: other products, other costs
         kv = kv_cache_dtype()  # a cache form other than the activations' own: other attention costs
-        if kv != (torch.float16 if int8_activations() else torch.float32):
+        if kv != kv_cache_auto_dtype():
             place += "-kv" + {torch.float16: "f16", torch.float32: "f32"}.get(kv, "q8")
     kernels = getattr(getattr(model, "kernel_report", None), "key", "")  # costs follow the kernels chosen
     kernels += "|" + getattr(getattr(model, "engine", None), "path_signature", "")  # ... and the native code
