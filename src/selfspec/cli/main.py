@@ -625,7 +625,8 @@ def _quantized_bound(model) -> dict[str, float]:
 
 
 def _huge_pages() -> dict[str, str]:
-    """Where the weights a pass streams live: 2 MB pages or 4 KB ones (core/hugepages.py); {} off Linux."""
+    """Where the weights and the caches a pass streams live: 2 MB pages or 4 KB ones (core/hugepages.py); {} off
+    Linux."""
     from ..core import hugepages
 
     setting, resident = hugepages.setting(), hugepages.resident_mb()
@@ -633,9 +634,9 @@ def _huge_pages() -> dict[str, str]:
         return {}
     if hugepages.enabled():
         return {"huge_pages": f"{resident:.0f} MB of this process on 2 MB pages (the weight copies the kernels "
-                              f"stream are advised for them; transparent huge pages: {setting})"}
+                              f"stream and the KV caches are advised for them; transparent huge pages: {setting})"}
     why = (f"{hugepages.HUGE_PAGES_ENV}=0" if setting != "never" else "the system's setting is never")
-    return {"huge_pages": f"4 KB pages for the weight copies ({why}; {resident:.0f} MB on 2 MB pages)"}
+    return {"huge_pages": f"4 KB pages for the weight copies and caches ({why}; {resident:.0f} MB on 2 MB pages)"}
 
 
 def _engine_paths(model) -> dict[str, str]:
