@@ -751,13 +751,21 @@ static void scores(int R, int kv, const float *q, const void *kc, long hd, const
 
 static inline long key_blocks(long m) { return m > KEY_BLOCK ? (m + KEY_BLOCK - 1) / KEY_BLOCK : 1; }
 
-/* The visible slots of a masked row (allow[j] set; every one of nkeys where allow is NULL) into list; returns how
- * many (a causal row reads pass_t.ident instead) */
-static long visible_list(long nkeys, const uint8_t *allow, long *list) {
+/* How many of a row's nkeys slots it sees, and in *slots their list: a masked row's (allow[j] set) written to list,
+ * a causal row's (all nkeys) the pass's shared 0, 1, ... (ident) */
+static long visible_slots(long nkeys, const uint8_t *allow, long *list, const long *ident, const long **slots) {
+    *slots = allow ? list : ident;
+    if (!allow) return nkeys;
     long m = 0;
     for (long j = 0; j < nkeys; j++)
-        if (!allow || allow[j]) list[m++] = j;
+        if (allow[j]) list[m++] = j;
     return m;
+}
+
+/* Keys in block b of a row's nb blocks over m visible keys (a lone block holds them all) */
+static inline long block_len(long m, long nb, long b) {
+    const long lo = b * KEY_BLOCK;
+    return nb == 1 || m - lo < KEY_BLOCK ? m - lo : KEY_BLOCK;
 }
 
 /* One block of R query rows of one key/value head (contiguous in q, hd apart) over the keys list[0..m): each
@@ -807,13 +815,13 @@ static void combine_blocks(long nb, const float *mx, const float *den, long mstr
 static void attend_rows(int R, int kv, const float *q, const void *kc, const void *vc, long hd, long nkeys,
                         const uint8_t *allow, float scaling, long *list, const long *ident, float *p, long pstride,
                         float *part, float *out) {
-    const long m = allow ? visible_list(nkeys, allow, list) : nkeys, nb = key_blocks(m);
-    const long *slots = allow ? list : ident;
+    const long *slots;
+    const long m = visible_slots(nkeys, allow, list, ident, &slots), nb = key_blocks(m);
     float *mx = part + nb * RMAX * hd, *den = mx + nb * RMAX;
     for (long b = 0; b < nb; b++) {
-        const long lo = b * KEY_BLOCK, len = m - lo < KEY_BLOCK || nb == 1 ? m - lo : KEY_BLOCK;
-        attend_block(R, kv, q, kc, vc, hd, slots + lo, len, scaling, p + lo, pstride, part + b * RMAX * hd,
-                     mx + b * RMAX, den + b * RMAX);
+        const long lo = b * KEY_BLOCK;
+        attend_block(R, kv, q, kc, vc, hd, slots + lo, block_len(m, nb, b), scaling, p + lo, pstride,
+                     part + b * RMAX * hd, mx + b * RMAX, den + b * RMAX);
     }
     for (int r = 0; r < R; r++)
         combine_blocks(nb, mx + r, den + r, RMAX, part + r * hd, RMAX * hd, hd, out + r * hd);
@@ -934,23 +942,21 @@ static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T,
         const long cap = sq->cap[r.s];
         long nkeys;
         const uint8_t *allow = row_keys(sq, r, &nkeys);
-        const long m = allow ? visible_list(nkeys, allow, list) : nkeys, nb = key_blocks(m), lo = b * KEY_BLOCK;
+        const long *slots;
+        const long m = visible_slots(nkeys, allow, list, ps->ident, &slots), nb = key_blocks(m), lo = b * KEY_BLOCK;
         if (b >= nb) continue;
-        const long len = nb == 1 || m - lo < KEY_BLOCK ? m - lo : KEY_BLOCK, at = (t * nbmax + b) * nh + hh;
+        const long at = (t * nbmax + b) * nh + hh;
         attend_block(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
-                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, (allow ? list : ps->ident) + lo, len,
+                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, slots + lo, block_len(m, nb, b),
                      (float)L->scaling, p + lo, pstride, part + at * hd, mx + at, den + at);
     }
 #pragma omp for schedule(static)
     for (long th = 0; th < T * nh; th++) {
         const long t = th / nh, hh = th % nh;
-        long nkeys, m = 0;
+        long nkeys;
+        const long *slots;
         const uint8_t *allow = row_keys(sq, row_of(sq, layer, t), &nkeys);
-        if (allow)
-            for (long j = 0; j < nkeys; j++) m += allow[j];
-        else
-            m = nkeys;
-        const long at = t * nbmax * nh + hh;
+        const long m = visible_slots(nkeys, allow, list, ps->ident, &slots), at = t * nbmax * nh + hh;
         combine_blocks(key_blocks(m), mx + at, den + at, nh, part + at * hd, nh * hd, hd, a + th * hd);
     }
 }
