@@ -28,6 +28,7 @@ from selfspec.core.quant import (
     int8_kernels_available,
     low_bit_copy,
     pack_x16,
+    quantize_weight,
 )
 from selfspec.errors import SelfspecError
 
@@ -296,10 +297,14 @@ def test_the_fused_stack_keeps_layer_weights_in_one_form_under_int8(smollm2):
         assert torch.equal(logits(), fp32)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"])
-def test_rows_of_a_released_table_are_looked_up_from_its_interleaved_copy(kind):
+@pytest.mark.parametrize("kind, compact", [("Q8_0", True), ("Q4_0", True), ("Q4_1", True), ("Q5_0", False),
+                                           ("Q5_0", True), ("Q6_K", True), ("Q3_K", True), ("Q2_K", True),
+                                           ("IQ4_XS", True)])  # fmt: skip
+def test_rows_of_a_released_table_are_looked_up_from_its_interleaved_copy(kind, compact, monkeypatch):
     """Token embeddings and the draft vocabulary read rows of a tied table whose row form is released: the
-    same rows, without rebuilding the whole table."""
+    same rows, without rebuilding the whole table (byte and nibble codes decoded in place by the native
+    kernels, the compact and sub-scale forms gathered first)."""
+    monkeypatch.setattr(quant, "_COMPACT", compact)
     qw = from_gguf(kind, random_blocks(kind, 64, 256, seed=8), 64, 256)
     ids = torch.tensor([0, 17, 63, 17, 40])
     want_rows = qw.rows(ids)
@@ -310,6 +315,19 @@ def test_rows_of_a_released_table_are_looked_up_from_its_interleaved_copy(kind):
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(want, got, strict=True))
     assert torch.equal(qw.rows(ids), want_rows)
     assert qw.rows_released  # neither call rebuilt the row form
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_released_rows_with_fp32_scales_are_looked_up_bit_for_bit(bits):
+    """A weight quantised here (``--quantize int4`` / ``int8``) keeps fp32 scales in its interleaved copy: its
+    rows decode from the copy as from the row form."""
+    qw = quantize_weight(torch.randn(64, 256, generator=torch.Generator().manual_seed(3)), bits)
+    ids = torch.tensor([63, 0, 31, 16, 15])
+    want = qw.rows(ids)
+    with activations("int8"):
+        assert qw.release_rows()
+    assert qw.__dict__["_x16"][1].dtype == torch.float32
+    assert torch.equal(qw.rows(ids), want) and qw.rows_released
 
 
 def test_a_model_loaded_under_int8_keeps_one_form_of_its_weights():

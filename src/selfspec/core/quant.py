@@ -421,7 +421,9 @@ def native() -> ctypes.CDLL:
             lib.selfspec_linear_q8.argtypes = [n, n, n, n, p, p, p, p, p]
             lib.selfspec_rows_q4.argtypes = [n, p, n, p, p, p, p]
             lib.selfspec_rows_q8.argtypes = [n, p, n, n, p, p, p, p]
-            for f in (lib.selfspec_linear_q4, lib.selfspec_linear_q8, lib.selfspec_rows_q4, lib.selfspec_rows_q8):
+            lib.selfspec_rows_x16.argtypes = [n, p, n, n, ctypes.c_int, p, p, p, ctypes.c_int, p]
+            for f in (lib.selfspec_linear_q4, lib.selfspec_linear_q8, lib.selfspec_rows_q4, lib.selfspec_rows_q8,
+                      lib.selfspec_rows_x16):
                 f.restype = None
             lib.selfspec_prompt_gemm.argtypes = [ctypes.c_int, n, n, n, n, p, p, p, p, p, p]
             lib.selfspec_prompt_gemm.restype = ctypes.c_int
@@ -794,6 +796,13 @@ class QuantWeight:
             raise IndexError(f"row index out of range for a weight of {self.out_features} rows")
         out = torch.empty(len(idx), self.in_features, dtype=torch.float32)
         lib = native()
+        if self._released and self.x16_bits in (4, 8):  # byte or nibble codes: decoded from the copy in place
+            codes, scale, minv = self.__dict__["_x16"]
+            if scale.dtype != torch.uint8 and (minv is None or self.fmt == "q4"):  # (no sub-scales, q8 minima)
+                lib.selfspec_rows_x16(len(idx), idx.data_ptr(), self.in_features, self.group, int(self.fmt == "q4"),
+                                      codes.data_ptr(), scale.data_ptr(), _ptr(minv),
+                                      int(scale.dtype == torch.float16), out.data_ptr())  # fmt: skip
+                return out
         if self._released:  # decode the gathered rows as rows 0..R-1 of their own table
             codes, scale, minv = self.row_slices(idx)
             idx = torch.arange(len(idx))
