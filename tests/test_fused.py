@@ -70,12 +70,31 @@ def _assert_steps_chain_and_tree_agree(model: selfspec.Model, prompt_len: int) -
     engine, cache = prefilled(model, prompt_len, fused=True)
     chain = engine.forward(cache, torch.tensor([a, c, d]), prompt_len)
     assert all(torch.equal(chain[i], steps[i]) for i in range(3))
+    # a chain's rows read their slots in order (no mask: the stack's causal rows); given as a mask, listed from it
+    engine, cache = prefilled(model, prompt_len, fused=True)
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()
+    assert torch.equal(engine.forward(cache, torch.tensor([a, c, d]), prompt_len, tree_mask=causal), chain)
     # tree: a -> {b, c}, c -> d, linearised as a, b, c, d (d's ancestors a, c sit at slots 0 and 2)
     engine, cache = prefilled(model, prompt_len, fused=True)
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     positions = prompt_len + torch.tensor([0, 1, 1, 2])
     tree = engine.forward(cache, torch.tensor([a, b, c, d]), prompt_len, positions=positions, tree_mask=mask)
     assert torch.equal(tree[0], steps[0]) and torch.equal(tree[2], steps[1]) and torch.equal(tree[3], steps[2])
+
+
+@pytest.mark.parametrize("prompt_len", [10, 40])
+def test_a_prompt_read_in_order_gets_the_numbers_a_causal_mask_gives(qtiny, prompt_len):
+    """A prompt's rows on the fused stack read their slots in order (no mask, also past a sliding window, whose
+    layers keep theirs); the same prompt under an explicit causal mask, its rows' slots listed from the mask rows
+    in every layer, gives the same logits and cache bit for bit."""
+    engine = qtiny.engine
+    ids = torch.arange(prompt_len) % 50 + 5
+    out = []
+    for mask in (None, torch.ones(prompt_len, prompt_len, dtype=torch.bool).tril()):
+        cache = engine.new_cache(prompt_len + 8)
+        logits = engine.forward(cache, ids, 0, tree_mask=mask)
+        out.append((logits, engine.forward(cache, torch.tensor([7]), prompt_len)))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
 @pytest.mark.parametrize("prompt_len", [10, 40])

@@ -229,8 +229,9 @@ class Engine:
             self.draft_vocab.add(input_ids)  # tokens the full model is fed: the prompt, verified tokens
         h = adapter.embed(input_ids.view(1, T)) if input_embeds is None else input_embeds.view(1, T, -1)
         ropes = adapter.rotary(h, positions.view(1, T))
-        masks = self._masks(start, positions, tree_mask, start if visible is None else visible)
-        if self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None:
+        fused = self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None
+        masks = self._masks(start, positions, tree_mask, start if visible is None else visible, causal_as_none=fused)
+        if fused:
             prompt = prefill and quant.prefill_kernel() == "gemm"  # (the other prompt kernels never get here)
             low_bit = kernels.active_draft_precision() == quant.LOW_BIT_DRAFT  # draft precision q4
             h = self._fused_pass(h, cache, start, skip, ropes, masks, cosine_out, prompt, low_bit)
@@ -268,7 +269,7 @@ class Engine:
                 self.draft_vocab.add(it.input_ids)
             lengths.append(T)
             every.append(positions)
-            masks.append(self._masks(it.start, positions, it.tree_mask, it.start))
+            masks.append(self._masks(it.start, positions, it.tree_mask, it.start, causal_as_none=True))
         # one embedding lookup and one rotary table for every row (each row's values as alone: row-wise work)
         ids = torch.cat([it.input_ids for it in items])
         h_all = adapter.embed(ids.view(1, -1))
@@ -392,18 +393,25 @@ class Engine:
             masks[w] = m.view(1, 1, T, K)
         return masks
 
-    def _masks(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None, visible: int) -> dict:
-        """Boolean attention masks ``[1, 1, T, start+T]`` keyed by sliding window (None = full)."""
+    def _masks(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None, visible: int,
+               causal_as_none: bool = False) -> dict:  # fmt: skip
+        """Boolean attention masks ``[1, 1, T, start+T]`` keyed by sliding window (None = full).  With
+        ``causal_as_none`` (the fused stack, whose None is causal for any T) a window's mask that would only be
+        causal (each row every old slot and the new ones up to its own, no key past the window) is None too: the
+        stack then reads a row's slots in order instead of listing them from its mask row in every layer (a
+        prompt of T tokens listed T^2/2 slots per layer and key/value head)."""
         T = positions.shape[0]
         windows = set(self._windows)
         last_pos = start + T - 1 if tree_mask is None else int(positions.max())
-        window_bites = any(w is not None and last_pos + 1 > w for w in windows)
-        if T == 1 and not window_bites and visible == start:
-            return dict.fromkeys(windows)  # one query attending to every key: no mask needed
+        bites = {w: w is not None and last_pos + 1 > w for w in windows}
+        causal = tree_mask is None and visible == start and (T == 1 or causal_as_none)
+        if causal and not any(bites.values()):
+            return dict.fromkeys(windows)  # every query attends to every key up to its own: no mask needed
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_()
         old = torch.zeros(T, start, dtype=torch.bool, device=self.device)
         old[:, :visible] = True
         base = torch.cat([old, tree_mask], dim=1)
         key_pos = torch.cat([torch.arange(start, device=self.device), positions])
-        return self._window_masks(base, positions, key_pos)
+        masks = self._window_masks(base, positions, key_pos)
+        return {w: None if causal and not bites[w] else m for w, m in masks.items()}
