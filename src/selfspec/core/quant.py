@@ -422,8 +422,8 @@ def native() -> ctypes.CDLL:
             lib.selfspec_rows_q4.argtypes = [n, p, n, p, p, p, p]
             lib.selfspec_rows_q8.argtypes = [n, p, n, n, p, p, p, p]
             lib.selfspec_rows_x16.argtypes = [n, p, n, n, ctypes.c_int, p, p, p, ctypes.c_int, p]
-            for f in (lib.selfspec_linear_q4, lib.selfspec_linear_q8, lib.selfspec_rows_q4, lib.selfspec_rows_q8,
-                      lib.selfspec_rows_x16):
+            lib.selfspec_rows_x16.restype = ctypes.c_int
+            for f in (lib.selfspec_linear_q4, lib.selfspec_linear_q8, lib.selfspec_rows_q4, lib.selfspec_rows_q8):
                 f.restype = None
             lib.selfspec_prompt_gemm.argtypes = [ctypes.c_int, n, n, n, n, p, p, p, p, p, p]
             lib.selfspec_prompt_gemm.restype = ctypes.c_int
@@ -798,11 +798,11 @@ class QuantWeight:
         lib = native()
         if self._released and self.x16_bits in (4, 8):  # byte or nibble codes: decoded from the copy in place
             codes, scale, minv = self.__dict__["_x16"]
-            if scale.dtype != torch.uint8 and (minv is None or self.fmt == "q4"):  # (no sub-scales, q8 minima)
-                lib.selfspec_rows_x16(len(idx), idx.data_ptr(), self.in_features, self.group, int(self.fmt == "q4"),
-                                      codes.data_ptr(), scale.data_ptr(), _ptr(minv),
-                                      int(scale.dtype == torch.float16), out.data_ptr())  # fmt: skip
-                return out
+            if (scale.dtype != torch.uint8 and (minv is None or self.fmt == "q4")  # (no sub-scales, q8 minima)
+                    and lib.selfspec_rows_x16(len(idx), idx.data_ptr(), self.in_features, self.group,
+                                              int(self.fmt == "q4"), codes.data_ptr(), scale.data_ptr(), _ptr(minv),
+                                              int(scale.dtype == torch.float16), out.data_ptr()) == 0):  # fmt: skip
+                return out  # (-1: no scratch memory; the gathered rows below)
         if self._released:  # decode the gathered rows as rows 0..R-1 of their own table
             codes, scale, minv = self.row_slices(idx)
             idx = torch.arange(len(idx))

@@ -336,17 +336,19 @@ static inline float x16_table_at(const void *t, int half_tables, long i) {
  * scale and minimum [n/16, groups, 16], fp32 or halves) bit for bit as selfspec_rows_q4 / _q8 decode the row
  * form: each row's codes, scales and minima are gathered into a row of its own and decoded by the same code.
  * minv NULL: q4 symmetric (minimum -8 scale), q8 without minima.  An embedding lookup of a token not yet looked
- * up (the tied tables of SmolLM2 and Gemma 3): ~2 us, where gathering with numpy took 40-50 us. */
-void selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const uint8_t *codes,
-                       const void *scale, const void *minv, int half_tables, float *out) {
+ * up (the tied tables of SmolLM2 and Gemma 3): ~2 us, where gathering with numpy took 40-50 us.  Returns 0, or -1
+ * (out untouched) where its scratch could not be had. */
+int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const uint8_t *codes, const void *scale,
+                      const void *minv, int half_tables, float *out) {
     const long groups = K / G, J = q4 ? 4 : G / 4, row_bytes = q4 ? K / 2 : K;
     uint8_t *row = malloc((size_t)row_bytes);
-    float *sc = malloc(2 * (size_t)groups * sizeof(float)), *mn = sc + groups;
+    float *sc = malloc(2 * (size_t)groups * sizeof(float));
     if (!row || !sc) {
         free(row);
         free(sc);
-        return;
+        return -1;
     }
+    float *mn = sc + groups;
     for (long r = 0; r < R; r++) {
         const long block = idx[r] / 16, i = idx[r] % 16;
         for (long g = 0; g < groups; g++) {
@@ -367,4 +369,5 @@ void selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const
     }
     free(row);
     free(sc);
+    return 0;
 }
