@@ -1532,7 +1532,8 @@ class QuantEmbedding(nn.Module):
         self.scale = scale
         self.padding_idx = padding_idx
         # decoded rows of recent tokens (a decoding step looks up 1-8 ids; text repeats its tokens): decoding one
-        # row of a tied table's interleaved copy costs ~0.1 ms, 3-4% of SmolLM2's step; a hit ~5 us
+        # row of a tied table's interleaved copy costs ~35 us inside a lookup (selfspec_rows_x16), one of a table left
+        # in its file ~0.1 ms; a hit ~10 us
         self._recent: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._recent_max = max(16, EMBEDDING_CACHE_BYTES // (4 * self.embedding_dim))
 
@@ -1549,7 +1550,7 @@ class QuantEmbedding(nn.Module):
     def _remember(self, ids: list[int], rows: torch.Tensor) -> None:
         """Keep the decoded rows of a long lookup's ids (a prompt's) among the recent rows: an answer repeats
         many of its prompt's tokens (about a third of a Spec-Bench answer's lookups), and each would otherwise
-        decode its row again (0.1-0.2 ms from a tied table's interleaved copy or a table left in its file).
+        decode its row again (~35 us from a tied table's interleaved copy, 0.1-0.2 ms from a table left in its file).
         The last ``_recent_max`` distinct ids, each row a copy of its own (the caller owns ``rows``)."""
         last = {tok: i for i, tok in enumerate(ids)}  # each id's last position, in order of first appearance
         order = sorted(last, key=last.__getitem__)[-self._recent_max :]
