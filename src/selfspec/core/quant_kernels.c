@@ -13,8 +13,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #define LANES 16
 
@@ -313,61 +311,3 @@ void selfspec_rows_q8(long R, const int64_t *idx, long K, long G, const int8_t *
     for (long r = 0; r < R; r++) selfspec_rows_q8_one(idx[r], K, G, codes, scale, minv, out + r * K);
 }
 
-/* an IEEE half widened to fp32, exactly (numpy's astype(float32) gives the same bits) */
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
-    if (exp == 0) {
-        const float f = ldexpf((float)man, -24);  /* zero or a subnormal */
-        return sign ? -f : f;
-    }
-    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* value j of an interleaved copy's table [n/16, groups, 16] (fp32, or halves where half_tables) */
-static inline float x16_table_at(const void *t, int half_tables, long i) {
-    return half_tables ? half_to_float(((const uint16_t *)t)[i]) : ((const float *)t)[i];
-}
-
-/* out [R, K] = the rows idx[0..R) of a weight whose row form was released, decoded from its interleaved copy
- * (int8_kernels.c's layout: codes [n/16, groups, J, 16, 4] bytes, q4 the row form's bytes, q8 code + 128;
- * scale and minimum [n/16, groups, 16], fp32 or halves) bit for bit as selfspec_rows_q4 / _q8 decode the row
- * form: each row's codes, scales and minima are gathered into a row of its own and decoded by the same code.
- * minv NULL: q4 symmetric (minimum -8 scale), q8 without minima.  An embedding lookup of a token not yet looked
- * up (the tied tables of SmolLM2 and Gemma 3): ~2 us, where gathering with numpy took 40-50 us.  Returns 0, or -1
- * (out untouched) where its scratch could not be had. */
-int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const uint8_t *codes, const void *scale,
-                      const void *minv, int half_tables, float *out) {
-    const long groups = K / G, J = q4 ? 4 : G / 4, row_bytes = q4 ? K / 2 : K;
-    uint8_t *row = malloc((size_t)row_bytes);
-    float *sc = malloc(2 * (size_t)groups * sizeof(float));
-    if (!row || !sc) {
-        free(row);
-        free(sc);
-        return -1;
-    }
-    float *mn = sc + groups;
-    for (long r = 0; r < R; r++) {
-        const long block = idx[r] / 16, i = idx[r] % 16;
-        for (long g = 0; g < groups; g++) {
-            const uint8_t *src = codes + ((block * groups + g) * J * 16 + i) * 4;
-            for (long j = 0; j < J; j++)
-                for (int b = 0; b < 4; b++) {
-                    const uint8_t c = src[j * 64 + b];
-                    row[(g * J + j) * 4 + b] = q4 ? c : (uint8_t)(c ^ 0x80);
-                }
-            const long at = (block * groups + g) * 16 + i;
-            sc[g] = x16_table_at(scale, half_tables, at);
-            mn[g] = minv ? x16_table_at(minv, half_tables, at) : (q4 ? sc[g] * -8.0f : 0.0f);
-        }
-        if (q4)
-            selfspec_rows_q4_one(0, K, row, sc, mn, out + r * K);
-        else
-            selfspec_rows_q8_one(0, K, G, (const int8_t *)row, sc, minv ? mn : 0, out + r * K);
-    }
-    free(row);
-    free(sc);
-    return 0;
-}
