@@ -242,6 +242,27 @@ def test_restore_takes_the_subset_back_to_an_earlier_state(acts):
         assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
 
 
+@pytest.mark.parametrize("acts", ["int8", "float32"])
+def test_a_subset_grown_inside_inference_mode_is_restored_and_grown_outside_it(acts):
+    """The model's passes (inference mode) make and grow the subset's tensors; a benchmark restores it between its
+    methods outside that mode (bench/turns.py), which once failed as an in-place update of inference tensors."""
+    from selfspec.core.quant import activations
+
+    head = quantize_weight(torch.randn(3008, 64, generator=torch.Generator().manual_seed(0)), 8)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    with activations(acts):
+        with torch.inference_mode():
+            vocab = DraftVocabulary(head, base=100)
+            vocab.add(torch.tensor([2500]))
+            before = vocab.learned()
+            vocab.add(torch.arange(400, 700))  # past the first allocation: the copy is made again whole
+            vocab.product(x)
+        vocab.restore(before)
+        vocab.add(torch.tensor([450, 3001]))
+        assert vocab.learned() == [*before, 450, 3001]
+        assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
+
+
 def test_a_benchmarked_method_drafts_with_the_vocabulary_its_own_runs_grew(gemma3):
     """The draft vocabulary is the engine's and learns every token the model reads.  In a benchmark each method
     starts from what its own generations added, not from the answer the method before it gave to the same

@@ -83,10 +83,13 @@ class DraftVocabulary:
         """The ids added after the base, in the order they came (what :meth:`restore` takes back)."""
         return self.ids[self.base_size : self.size].tolist()
 
+    @torch.inference_mode()
     def restore(self, learned: list[int]) -> None:
         """The subset as the base plus ``learned`` (a :meth:`learned` of earlier): every other id is dropped.
         A benchmark gives each method the vocabulary its own generations grew, so that no method drafts with
-        tokens another one's answer to the same prompt brought in (bench/runner.py)."""
+        tokens another one's answer to the same prompt brought in (bench/runner.py).  In inference mode, as
+        :meth:`_append`: the model's passes make and grow the subset's tensors in it, and a caller outside it
+        could not change them in place."""
         if self.learned() == list(learned):
             return
         dropped = self.ids[self.base_size : self.size]
@@ -219,8 +222,10 @@ class DraftVocabulary:
         if self.size - self.base_size > 2 * self.keep:  # the newest `keep` stay (the tokens read last among them)
             self.restore(self.learned()[-self.keep :])
 
+    @torch.inference_mode()
     def _append(self, ids: torch.Tensor) -> None:
-        """Rows for ``ids`` (distinct, none in the subset yet) after the subset's, in that order."""
+        """Rows for ``ids`` (distinct, none in the subset yet) after the subset's, in that order (in inference
+        mode whoever calls: see :meth:`restore`)."""
         if self.size + len(ids) > self.capacity:
             self._allocate(min(self.limit, max(2 * self.capacity, self.size + len(ids))))
         lo, hi = self.size, self.size + len(ids)
