@@ -76,16 +76,24 @@ def isolated_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def machine_independent_costs(request):
+def machine_independent_costs(request, monkeypatch):
     """Every test decides with the read-bound profile of its model's shape and a simulated clock
     (:mod:`selfspec.core.clock`), so that whether a round drafts does not depend on the CPU running the
-    suite; tests of measurement itself are marked ``real_clock``."""
+    suite, and sees no other load on its CPUs (``clock.OtherLoad``: what other processes took of them is the
+    machine's state, not the test's; a kernel-variant test with a fake timer, timed over microseconds, once read
+    one tick of another process as a busy machine and kept the default); tests of measurement itself are marked
+    ``real_clock``."""
     if request.node.get_closest_marker("real_clock") is not None:
         yield
         return
     from selfspec.core import clock
     from selfspec.cost.costs import read_bound_profile
 
+    class Quiet(clock.OtherLoad):
+        def __exit__(self, *exc: object) -> None:
+            self.cores = 0.0
+
+    monkeypatch.setattr(clock, "OtherLoad", Quiet)
     with clock.simulated(read_bound_profile):
         yield
 
