@@ -68,6 +68,7 @@ typedef struct {
     int kv; /* how the cache holds its entries: KV_F32, KV_F16 or KV_Q8 */
     float *blocks; /* shared scratch of attention's key blocks when few rows split them between threads, or NULL */
     const long *ident; /* 0, 1, ..., the most keys a row of the pass sees: a causal row's visible slots */
+    long *vis; /* [T]: how many slots each row of the pass sees in the layer at hand (attention's work shares) */
 } pass_t;
 
 #define PROMPT_ROWS 65
@@ -839,6 +840,47 @@ static int heads_together(long T, long n_kv, long groups, int threads) {
     return 1;
 }
 
+/* Attention's work items and how they are shared between the threads.  An item is R query heads of one key/value
+ * head over one row's keys (attend_rows), or over one block of them where few rows share their key blocks
+ * (split_keys, attend_split), ordered by key/value head, then row, then chunk of heads (then block).  Its cost
+ * is its keys times (its query heads + 1: each key and value is loaded and widened once for the heads taken
+ * together), and each thread takes a contiguous range of items of about equal cost, computed alike by every
+ * thread from the rows' visible keys (ps->vis).  Equal numbers of items were unequal work: a prompt's causal rows
+ * see 1 to T keys (with one key/value head, Gemma 3's, one thread attended 3 times as many as the other), and a
+ * sliding window's rows see fewer keys than the pass's longest (Gemma 3 after 1,000 tokens: a row's 512 keys
+ * in 2 blocks of 256 of the 4 items, both with one thread). */
+typedef struct {
+    long T, groups, R, per_t, nb; /* nb: key blocks per item row (1: whole rows, attend_rows) */
+    const long *vis;
+} att_items;
+
+static inline long att_cost(const att_items *w, long it) {
+    const long b = it % w->nb, c = it / w->nb % w->per_t, t = it / (w->nb * w->per_t) % w->T;
+    const long heads = w->groups - c * w->R < w->R ? w->groups - c * w->R : w->R, m = w->vis[t];
+    if (w->nb == 1) return m * (heads + 1);
+    const long nb = key_blocks(m);
+    return b < nb ? block_len(m, nb, b) * (heads + 1) : 0;
+}
+
+/* This thread's items [*lo, *hi) of the n of w: item it goes to the thread whose equal share of the total cost
+ * holds the middle of the item's cost (so every thread's range is contiguous, and every thread computes the same
+ * ranges) */
+static void att_range(const att_items *w, long n, long *lo, long *hi) {
+    const long threads = omp_get_num_threads(), me = omp_get_thread_num();
+    long total = 0, before = 0;
+    for (long it = 0; it < n; it++) total += att_cost(w, it);
+    *lo = *hi = n;
+    for (long it = 0; it < n; it++) {
+        const long c = att_cost(w, it), k = total > 0 ? (2 * before + c) * threads / (2 * total) : 0;
+        if (k > me) break;
+        if (k == me) {
+            if (*lo == n) *lo = it;
+            *hi = it + 1;
+        }
+        before += c;
+    }
+}
+
 typedef struct {
     const uint8_t *mask; /* [T, start + T] (1 = may attend) or NULL: causal (T, start: of its sequence) */
     const float *cos, *sin; /* [T, head_dim] */
@@ -930,11 +972,13 @@ static int split_keys(long T, long n_kv, long groups, long keys, int threads) {
  * as attend_rows combines them (the same numbers).  Two work-sharing loops, each with its barrier. */
 static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T, const float *q, float *a,
                          long *list, float *p, long pstride, const pass_t *ps) {
-    const long nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv;
-    const long R = groups < RMAX ? groups : RMAX, per_t = (groups + R - 1) / R, nbmax = key_blocks(pstride);
+    const long nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv, nbmax = key_blocks(pstride);
+    const long R = groups < RMAX ? groups : RMAX, per_t = (groups + R - 1) / R;
     float *part = ps->blocks, *mx = part + T * nbmax * nh * hd, *den = mx + T * nbmax * nh;
-#pragma omp for schedule(static)
-    for (long it = 0; it < nkv * T * per_t * nbmax; it++) { /* by key/value head, then row, then block */
+    const att_items w = {T, groups, R, per_t, nbmax, ps->vis};
+    long lo, hi;
+    att_range(&w, nkv * T * per_t * nbmax, &lo, &hi);
+    for (long it = lo; it < hi; it++) { /* by key/value head, then row, then chunk of heads, then block */
         const long b = it % nbmax, c = it / nbmax % per_t, t = it / (nbmax * per_t) % T;
         const long g = it / (nbmax * per_t * T), hh = g * groups + c * R;
         const int heads = (int)(groups - c * R < R ? groups - c * R : R);
@@ -943,13 +987,14 @@ static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T,
         long nkeys;
         const uint8_t *allow = row_keys(sq, r, &nkeys);
         const long *slots;
-        const long m = visible_slots(nkeys, allow, list, ps->ident, &slots), nb = key_blocks(m), lo = b * KEY_BLOCK;
+        const long m = visible_slots(nkeys, allow, list, ps->ident, &slots), nb = key_blocks(m), k0 = b * KEY_BLOCK;
         if (b >= nb) continue;
         const long at = (t * nbmax + b) * nh + hh;
         attend_block(heads, ps->kv, q + (t * nh + hh) * hd, kv_at(r.io->k, g * cap * hd, ps->kv),
-                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, slots + lo, block_len(m, nb, b),
-                     (float)L->scaling, p + lo, pstride, part + at * hd, mx + at, den + at);
+                     kv_at(r.io->v, g * cap * hd, ps->kv), hd, slots + k0, block_len(m, nb, b),
+                     (float)L->scaling, p + k0, pstride, part + at * hd, mx + at, den + at);
     }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (long th = 0; th < T * nh; th++) {
         const long t = th / nh, hh = th % nh;
@@ -995,14 +1040,24 @@ static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long
             kv_put(r.io->k, (g * cap + start + r.t) * hd, kh, hd, ps->kv);
             kv_put(r.io->v, (g * cap + start + r.t) * hd, v + (t * nkv + g) * hd, hd, ps->kv);
         }
+        long nkeys;
+        const uint8_t *allow = row_keys(sq, r, &nkeys);
+        long m = nkeys;
+        if (allow) {
+            m = 0;
+            for (long j = 0; j < nkeys; j++) m += allow[j] != 0;
+        }
+        ps->vis[t] = m;
     }
     if (ps->blocks && split_keys(T, nkv, groups, pstride, omp_get_num_threads())) {
         attend_split(L, layer, sq, T, q, a, list, p, pstride, ps);
     } else {
         const int R = heads_together(T, nkv, groups, omp_get_num_threads());
         const long per_t = (groups + R - 1) / R; /* work items per token and key/value head */
-#pragma omp for schedule(static)
-        for (long it = 0; it < nkv * T * per_t; it++) { /* key/value head by key/value head: its cache stays hot */
+        const att_items w = {T, groups, R, per_t, 1, ps->vis};
+        long lo, hi;
+        att_range(&w, nkv * T * per_t, &lo, &hi);
+        for (long it = lo; it < hi; it++) { /* key/value head by key/value head: its cache stays hot */
             const long g = it / (T * per_t), t = it / per_t % T, c = it % per_t, hh = g * groups + c * R;
             const int heads = (int)(groups - c * R < R ? groups - c * R : R); /* the last chunk: the heads left */
             const row_t r = row_of(sq, layer, t);
@@ -1013,6 +1068,7 @@ static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long
                         kv_at(r.io->v, g * cap * hd, ps->kv), hd, visible, allow, (float)L->scaling, list,
                         ps->ident, p, pstride, part, a + (t * nh + hh) * hd);
         }
+#pragma omp barrier
     }
     quantize(T, nh * hd, a, ps);
     matmul(&L->o, T, a, o, ps);
@@ -1082,11 +1138,11 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
         return -1;
     }
     float *blocks = split_floats ? malloc(split_floats * sizeof(float)) : NULL;
-    long *ident = malloc((keys > 0 ? keys : 1) * sizeof(long));
-    int failed = (split_floats && !blocks) || !ident;
+    long *ident = malloc((keys > 0 ? keys : 1) * sizeof(long)), *vis = malloc((T > 0 ? T : 1) * sizeof(long));
+    int failed = (split_floats && !blocks) || !ident || !vis;
     if (ident)
         for (long j = 0; j < keys; j++) ident[j] = j;
-    const pass_t ps = {bulk, xq, &failed, kv, blocks, ident};
+    const pass_t ps = {bulk, xq, &failed, kv, blocks, ident, vis};
 #pragma omp parallel num_threads(threads)
     {
         long *list = malloc(keys * sizeof(long));
@@ -1109,6 +1165,7 @@ static int fused_pass(const layer_t *layers, const uint8_t *skip, const seqs_t *
     }
     free(blocks);
     free(ident);
+    free(vis);
     free(buf);
     free(xq);
     return failed ? -1 : 0;
