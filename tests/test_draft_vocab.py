@@ -173,6 +173,39 @@ def test_the_vocab_method_verifies_by_the_head_alone_and_keeps_vanillas_tokens(n
         loop.engine_pass = real
 
 
+def test_a_pass_without_its_head_gives_the_states_and_entries_of_one_with_it(smollm2):
+    """``forward(head=False)`` (the last step of a head-only verification): the same hidden states and cache
+    entries as the pass with its head, no logits, no head product; under the simulated clock it is charged less
+    than the pass with its head by its head's rows; without ``hidden_out`` it is refused."""
+    from selfspec.core import clock
+    from selfspec.cost.costs import read_bound_profile
+
+    engine = smollm2.engine
+    ids = torch.tensor(smollm2.encode("The head of a draft step scores the draft vocabulary."))
+    caches, states = [], []
+    for head in (True, False):
+        cache = engine.new_cache(len(ids) + 4)
+        engine.forward(cache, ids[:-1], 0, prefill=True)
+        hidden: list = []
+        out = engine.forward(cache, ids[-1:], len(ids) - 1, last_only=True, draft=True, hidden_out=hidden, head=head)
+        assert (out is None) == (not head)
+        caches.append(cache)
+        states.append(hidden[0])
+    assert torch.equal(states[0], states[1])
+    for i in range(engine.num_layers):
+        pairs = zip(caches[0].layer(i, len(ids)), caches[1].layer(i, len(ids)), strict=True)
+        assert all(torch.equal(x, y) for x, y in pairs)
+    with pytest.raises(ValueError, match="hidden_out"):
+        engine.forward(caches[1], ids[-1:], len(ids) - 1, last_only=True, draft=True, head=False)
+    charged = []
+    for head in (True, False):
+        with clock.simulated(read_bound_profile):
+            t0 = clock.now()
+            engine.forward(caches[1], ids[-1:], len(ids) - 1, last_only=True, draft=True, hidden_out=[], head=head)
+            charged.append(clock.now() - t0)
+    assert 0 < charged[1] < charged[0]
+
+
 def vocab_outsider(vocab) -> int:
     """A token id outside the draft vocabulary."""
     return int((~vocab.member).nonzero()[0])

@@ -123,15 +123,21 @@ def given_profile(model: Any) -> Any:
 
 
 def charge(engine: Any, tokens: int, *, skip: Any, precision: Any, draft: bool = False,
-           last_only: bool = False) -> None:  # fmt: skip
+           last_only: bool = False, head: bool = True) -> None:  # fmt: skip
     """Advance the virtual clock by what a pass of ``engine`` over ``tokens`` rows costs (no-op when real);
     ``draft``: a draft pass (its head scores the draft vocabulary, even with nothing skipped); ``last_only``: its
-    head computes the last row's logits alone (a prompt)."""
+    head computes the last row's logits alone (a prompt); ``head=False``: a one-row pass without its head (its
+    head's rows' share of the full head's cost taken off: the draft vocabulary's for a draft)."""
     global _virtual_s
     if _source is None:
         return
     prof = _profile_for(engine, None)  # made from the engine if no one asked for it yet
     ms = prof.pass_ms(tokens, skip, precision, draft=draft, last_only=last_only)
+    if not head:
+        vocab, share = getattr(engine, "draft_vocab", None), 1.0
+        if draft and vocab is not None:
+            share = vocab.size / vocab.vocab_size
+        ms = max(0.0, ms - prof.head(1) * share)
     with _lock:
         _virtual_s += ms / 1000.0
 

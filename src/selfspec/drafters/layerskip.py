@@ -376,14 +376,14 @@ def _head_only_states(engine, skip: SkipSet, precision: torch.dtype | None, root
 
 
 def _verify_by_head(engine, cache, start: int, outcome: DraftOutcome, hidden: list) -> None:
-    """One more step over the last drafted token, then the full head over every node's hidden state: the
-    round's full logits, as a verification pass would give them (``outcome.logits``); the time this took is the
-    round's verification (``outcome.verify_s``)."""
+    """One more step over the last drafted token (for its hidden state: no head of its own), then the full head
+    over every node's hidden state: the round's full logits, as a verification pass would give them
+    (``outcome.logits``); the time this took is the round's verification (``outcome.verify_s``)."""
     t0 = clock.now()
     tokens = outcome.tree.tokens
     last = torch.tensor([tokens[-1]], dtype=torch.long, device=engine.device)
-    engine.forward(cache, last, start + len(tokens) - 1, last_only=True, subset=True, draft=True,
-                   hidden_out=hidden)  # fmt: skip
+    engine.forward(cache, last, start + len(tokens) - 1, last_only=True, draft=True, hidden_out=hidden,
+                   head=False)  # fmt: skip
     outcome.logits = engine.head_logits(hidden[: len(tokens)])
     outcome.passes = len(tokens)
     outcome.verify_s = clock.now() - t0

@@ -183,7 +183,8 @@ class Engine:
         subset: bool = False,
         draft: bool = False,
         hidden_out: list | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        head: bool = True,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None:
         """Logits ``[T, V]`` (``[1, V]`` with ``last_only``) for ``input_ids`` ``[T]``.
 
         The new tokens are written at cache slots ``[start, start+T)`` and attend
@@ -200,7 +201,8 @@ class Engine:
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
         ``argmax_only``: the argmax token ids ``[T]`` instead of the logits (scoring a window of drafts).
         ``hidden_out``: a list that receives the final hidden states ``[1, T, H]`` (the last row only with
-        ``last_only``), for :meth:`head_logits`.
+        ``last_only``), for :meth:`head_logits`; with ``head=False`` the pass computes no logits (returns None):
+        it runs for those states and its cache entries alone (the last step of a head-only verification).
         ``subset`` (drafts): ``(logits, ids)``, a draft's logits over the draft vocabulary only and their token
         ids (``ids`` None: the whole vocabulary), sparing a draft step the work on a ``[T, V]`` tensor.
         ``draft``: a draft pass even with nothing skipped (its head scores the draft vocabulary, its tokens are
@@ -210,7 +212,7 @@ class Engine:
         """
         again = dict(positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only, cosine_out=cosine_out,
                      visible=visible, input_embeds=input_embeds, argmax_only=argmax_only, subset=subset, draft=draft,
-                     hidden_out=hidden_out)  # fmt: skip
+                     hidden_out=hidden_out, head=head)  # fmt: skip
         if prefill and (quant.prefill_has_own_kernel() or not self.fused):  # the fused stack runs its own
             with quant.bulk_rows():
                 return self.forward(cache, input_ids, start, precision=precision, adapters=adapters, **again)
@@ -221,7 +223,7 @@ class Engine:
         draft = draft or bool(skip.attention or skip.mlp) or kernels.active_draft_precision() is not None
         draft = draft or kernels.active_draft_adapters() is not None
         clock.charge(self, T, skip=skip, precision=kernels.active_draft_precision(), draft=draft,
-                     last_only=last_only)  # simulated only
+                     last_only=last_only, head=head)  # simulated only
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
         adapter = self.adapter
@@ -239,6 +241,10 @@ class Engine:
             h = self._module_pass(h, cache, start, skip, ropes, masks, cosine_out)
         if hidden_out is not None:
             hidden_out.append(h[:, -1:] if last_only else h)
+        if not head:
+            if hidden_out is None:
+                raise ValueError("a pass without its head (head=False) needs hidden_out for its hidden states")
+            return None
         return self._head(h, last_only, argmax_only, draft, subset)
 
     @_exclusive
