@@ -69,6 +69,12 @@ class SublayerCosine:
     mlp: tuple[float, ...]
 
 
+def _is_draft(draft: bool, skip: SkipSet) -> bool:
+    """Whether a pass is a draft: asked to be, or a skip set, a draft precision or draft adapters in force."""
+    return (draft or bool(skip.attention or skip.mlp) or kernels.active_draft_precision() is not None
+            or kernels.active_draft_adapters() is not None)  # fmt: skip
+
+
 class Engine:
     def __init__(self, adapter: LlamaAdapter) -> None:
         self.adapter = adapter
@@ -201,8 +207,8 @@ class Engine:
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
         ``argmax_only``: the argmax token ids ``[T]`` instead of the logits (scoring a window of drafts).
         ``hidden_out``: a list that receives the final hidden states ``[1, T, H]`` (the last row only with
-        ``last_only``), for :meth:`head_logits`; with ``head=False`` the pass computes no logits (returns None):
-        it runs for those states and its cache entries alone (the last step of a head-only verification).
+        ``last_only``), for :meth:`head_logits`; ``head=False``: no logits (None), a pass for those states and
+        its cache entries alone (the last step of a head-only verification).
         ``subset`` (drafts): ``(logits, ids)``, a draft's logits over the draft vocabulary only and their token
         ids (``ids`` None: the whole vocabulary), sparing a draft step the work on a ``[T, V]`` tensor.
         ``draft``: a draft pass even with nothing skipped (its head scores the draft vocabulary, its tokens are
@@ -210,6 +216,8 @@ class Engine:
         ``prefill`` (the prompt, which every method passes alike) lets quantised products of many rows take a
         faster path whose rows are not bit-equal to one-token products (see :func:`selfspec.core.quant.bulk_rows`).
         """
+        if not head and hidden_out is None:
+            raise ValueError("a pass without its head (head=False) needs hidden_out for its hidden states")
         again = dict(positions=positions, skip=skip, tree_mask=tree_mask, last_only=last_only, cosine_out=cosine_out,
                      visible=visible, input_embeds=input_embeds, argmax_only=argmax_only, subset=subset, draft=draft,
                      hidden_out=hidden_out, head=head)  # fmt: skip
@@ -220,10 +228,9 @@ class Engine:
             with kernels.draft_precision(precision), kernels.draft_adapters(adapters):
                 return self.forward(cache, input_ids, start, **again)
         T = input_ids.shape[0]
-        draft = draft or bool(skip.attention or skip.mlp) or kernels.active_draft_precision() is not None
-        draft = draft or kernels.active_draft_adapters() is not None
+        draft = _is_draft(draft, skip)
         clock.charge(self, T, skip=skip, precision=kernels.active_draft_precision(), draft=draft,
-                     last_only=last_only, head=head)  # simulated only
+                     last_only=last_only, head=head)  # simulated only; fmt: skip
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
         adapter = self.adapter
@@ -241,11 +248,7 @@ class Engine:
             h = self._module_pass(h, cache, start, skip, ropes, masks, cosine_out)
         if hidden_out is not None:
             hidden_out.append(h[:, -1:] if last_only else h)
-        if not head:
-            if hidden_out is None:
-                raise ValueError("a pass without its head (head=False) needs hidden_out for its hidden states")
-            return None
-        return self._head(h, last_only, argmax_only, draft, subset)
+        return self._head(h, last_only, argmax_only, draft, subset) if head else None
 
     @_exclusive
     @torch.inference_mode()
