@@ -908,13 +908,20 @@ static qrows qrows_at(void *buf, long T, long K) {
 /* Size of the scratch selfspec_quantize_rows_ws fills (rounded up to 64-byte lines) */
 long selfspec_qrows_bytes(long T, long K) { return ((qrows_bytes(T, K) + 63) / 64 + 1) * 64; }
 
-/* Row t of x (x_t [K]) quantised into buf (selfspec_qrows_bytes(T, K) bytes), one thread */
-void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t) {
+/* Blocks [b0, b1) of 32 of row t of x (x_t [K]) quantised into buf (selfspec_qrows_bytes(T, K) bytes), one
+ * thread: a block's numbers do not depend on the others, so threads may share a row's blocks */
+void selfspec_quantize_row_part(void *buf, long T, long K, long t, const float *x_t, long b0, long b1) {
     const qrows r = qrows_at(buf, T, K);
     const long run = t / QRUN * QRUN, i = t - run, S = T - run < QRUN ? T - run : QRUN;
-    quantize_row_strided(K, x_t, (int8_t *)r.q + run * K + 32 * i, (float *)r.dx + run * (K / 32) + i,
-                         (float *)r.ds16 + run * (K / 16) + i, (float *)r.ds32 + run * (K / 32) + i,
-                         (int32_t *)r.xs16 + run * (K / 16) + i, S);
+    quantize_row_strided((b1 - b0) * 32, x_t + 32 * b0, (int8_t *)r.q + run * K + 32 * i + 32 * S * b0,
+                         (float *)r.dx + run * (K / 32) + i + S * b0, (float *)r.ds16 + run * (K / 16) + i + 2 * S * b0,
+                         (float *)r.ds32 + run * (K / 32) + i + S * b0,
+                         (int32_t *)r.xs16 + run * (K / 16) + i + 2 * S * b0, S);
+}
+
+/* Row t of x (x_t [K]) quantised into buf (selfspec_qrows_bytes(T, K) bytes), one thread */
+void selfspec_quantize_row_into(void *buf, long T, long K, long t, const float *x_t) {
+    selfspec_quantize_row_part(buf, T, K, t, x_t, 0, K / 32);
 }
 
 /* This thread's share of quantising every row of x [T, K] into buf; a work-sharing loop with its closing barrier */
