@@ -30,7 +30,6 @@ void selfspec_linear_q8_ws(long T, long N, long K, long G, const float *x, const
 int selfspec_prompt_gemm_ws(int bits, long T, long N, long K, long G, const float *x, const void *codes,
                             const float *scale, const float *minv, const float *bias, float *y);
 long selfspec_qrows_bytes(long T, long K);
-void selfspec_quantize_rows_ws(long T, long K, const float *x, void *buf);
 void selfspec_quantize_row_part(void *buf, long T, long K, long t, const float *x_t, long b0, long b1);
 void selfspec_linear_x16_ws(int form, long T, long N, long K, long G, const void *buf, const uint8_t *codes,
                             const void *scale, const void *minv, const float *bias, float *y);

@@ -207,8 +207,7 @@ class Engine:
         When ``cosine_out`` is a list, a :class:`SublayerCosine` is appended to it.
         ``argmax_only``: the argmax token ids ``[T]`` instead of the logits (scoring a window of drafts).
         ``hidden_out``: a list that receives the final hidden states ``[1, T, H]`` (the last row only with
-        ``last_only``), for :meth:`head_logits`; ``head=False``: no logits (None), a pass for those states and
-        its cache entries alone (the last step of a head-only verification).
+        ``last_only``), for :meth:`head_logits`; ``head=False``: those states and the cache entries alone (None).
         ``subset`` (drafts): ``(logits, ids)``, a draft's logits over the draft vocabulary only and their token
         ids (``ids`` None: the whole vocabulary), sparing a draft step the work on a ``[T, V]`` tensor.
         ``draft``: a draft pass even with nothing skipped (its head scores the draft vocabulary, its tokens are
@@ -233,11 +232,10 @@ class Engine:
                      last_only=last_only, head=head)  # simulated only; fmt: skip
         if positions is None:
             positions = torch.arange(start, start + T, device=self.device)
-        adapter = self.adapter
         if self.draft_vocab is not None and not draft and input_embeds is None:
             self.draft_vocab.add(input_ids)  # tokens the full model is fed: the prompt, verified tokens
-        h = adapter.embed(input_ids.view(1, T)) if input_embeds is None else input_embeds.view(1, T, -1)
-        ropes = adapter.rotary(h, positions.view(1, T))
+        h = self.adapter.embed(input_ids.view(1, T)) if input_embeds is None else input_embeds.view(1, T, -1)
+        ropes = self.adapter.rotary(h, positions.view(1, T))
         fused = self.fused and not quant.bulk_active() and kernels.active_draft_adapters() is None
         masks = self._masks(start, positions, tree_mask, start if visible is None else visible, causal_as_none=fused)
         if fused:
