@@ -173,7 +173,7 @@ def test_the_vocab_method_verifies_by_the_head_alone_and_keeps_vanillas_tokens(n
         loop.engine_pass = real
 
 
-def test_a_pass_without_its_head_gives_the_states_and_entries_of_one_with_it(smollm2):
+def test_a_pass_without_its_head_gives_the_states_and_entries_of_one_with_it(smollm2, monkeypatch):
     """``forward(head=False)`` (the last step of a head-only verification): the same hidden states and cache
     entries as the pass with its head, no logits, no head product; under the simulated clock it is charged less
     than the pass with its head by its head's rows; without ``hidden_out`` it is refused."""
@@ -182,13 +182,18 @@ def test_a_pass_without_its_head_gives_the_states_and_entries_of_one_with_it(smo
 
     engine = smollm2.engine
     ids = torch.tensor(smollm2.encode("The head of a draft step scores the draft vocabulary."))
+    products = []
+    product = engine.draft_vocab.product
+    monkeypatch.setattr(engine.draft_vocab, "product", lambda x: products.append(1) or product(x))
     caches, states = [], []
     for head in (True, False):
         cache = engine.new_cache(len(ids) + 4)
         engine.forward(cache, ids[:-1], 0, prefill=True)
         hidden: list = []
+        products.clear()
         out = engine.forward(cache, ids[-1:], len(ids) - 1, last_only=True, draft=True, hidden_out=hidden, head=head)
         assert (out is None) == (not head)
+        assert len(products) == (1 if head else 0), "the draft head is computed only by a pass with its head"
         caches.append(cache)
         states.append(hidden[0])
     assert torch.equal(states[0], states[1])

@@ -985,7 +985,8 @@ static int split_keys(long T, long n_kv, long groups, long keys, int threads) {
 
 /* Attention of a pass's few rows with their key blocks shared out between threads (split_keys): each work item
  * one block of one row's query heads of one key/value head, into ps->blocks; then each row's blocks combined,
- * as attend_rows combines them (the same numbers).  Two work-sharing loops, each with its barrier. */
+ * as attend_rows combines them (the same numbers).  The blocks shared by their cost (att_range), then the rows'
+ * combination in a work-sharing loop, each followed by a barrier. */
 static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T, const float *q, float *a,
                          long *list, float *p, long pstride, const pass_t *ps) {
     const long nh = L->n_heads, nkv = L->n_kv, hd = L->head_dim, groups = nh / nkv, nbmax = key_blocks(pstride);
@@ -1023,8 +1024,8 @@ static void attend_split(const layer_t *L, long layer, const seqs_t *sq, long T,
 }
 
 /* The blocks below run inside one parallel region (every thread calls them): products and per-row work are
- * shared out with work-sharing loops, each followed by the barrier its readers need.  list, p: this thread's
- * scratch for attention (start + T entries). */
+ * shared out (by rows, by columns where rows are quantised, attention by cost), each share followed by the barrier
+ * its readers need.  list, p: this thread's scratch for attention (start + T entries). */
 static void attention_block(const layer_t *L, long layer, const seqs_t *sq, long T, float *h, float *x, float *q,
                             float *k, float *v, float *a, float *o, long *list, float *p, long pstride, float *part,
                             const cosines *cos, long slot, const pass_t *ps) {
