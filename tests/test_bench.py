@@ -370,6 +370,7 @@ def test_llama_bench_is_found_beside_the_server_and_its_json_read(tmp_path, monk
     """`selfspec kernels --compare-llama-cpp` reads llama-bench's JSON: pp and tg tests apart (a stand-in script
     prints what llama-bench -o json prints, with the arguments it was given echoed back)."""
     from selfspec.bench.llamacpp import ENV, find_binary, llama_bench
+    from selfspec.errors import ExternalToolError
 
     monkeypatch.delenv(ENV, raising=False)
     bench = tmp_path / "llama-bench"
@@ -388,7 +389,10 @@ def test_llama_bench_is_found_beside_the_server_and_its_json_read(tmp_path, monk
     got = llama_bench(tmp_path / "m.gguf", 2, binary=bench, prompt=64, generate=16)
     assert got == {"prefill_tokens_per_second": 300.5, "decode_tokens_per_second": 72.25}
     bench.write_text("#!/bin/sh\necho oops; exit 3\n")
-    with pytest.raises(RuntimeError, match="exited \\(3\\)"):
+    with pytest.raises(ExternalToolError, match="exited with status 3"):
+        llama_bench(tmp_path / "m.gguf", 2, binary=bench)
+    bench.write_text("#!/bin/sh\nkill -ILL $$\n")  # a build for instructions this CPU does not run
+    with pytest.raises(ExternalToolError, match="SIGILL.*rebuild llama.cpp"):
         llama_bench(tmp_path / "m.gguf", 2, binary=bench)
 
 

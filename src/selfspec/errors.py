@@ -23,3 +23,7 @@ class UnsupportedModelError(SelfspecError):
 
 class InvalidInputError(SelfspecError):
     """A prompt or an option value is not acceptable."""
+
+
+class ExternalToolError(SelfspecError):
+    """An outside program the user pointed us at (llama.cpp's tools, for comparisons) failed to run."""

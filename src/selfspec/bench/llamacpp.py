@@ -25,6 +25,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -37,7 +38,7 @@ import torch
 
 from ..core.sampling import SamplingParams
 from ..decoding.loop import GenerationStats
-from ..errors import InvalidInputError
+from ..errors import ExternalToolError, InvalidInputError
 
 ENV = "SELFSPEC_LLAMA_CPP"
 _SERVERS: dict[tuple[str, str, int, str], _Server] = {}
@@ -56,6 +57,21 @@ def find_binary(option: str | None, tool: str = "llama-server") -> Path | None:
     return Path(found) if found else None
 
 
+def _exit_reason(returncode: int) -> str:
+    """How a tool's process ended, in words: a signal by name, with the likely cause of SIGILL (a build for
+    instructions this CPU or its hypervisor does not run, e.g. AMX tiles in a VM)."""
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    hint = (" (an instruction this CPU or its hypervisor does not run: rebuild llama.cpp for this machine, e.g. "
+            "without AMX: -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')"
+            if name == "SIGILL" else "")  # fmt: skip
+    return f"was killed by {name}{hint}"
+
+
 def llama_bench(gguf: Path, threads: int, *, binary: Path, prompt: int = 512, generate: int = 128,
                 reps: int = 3) -> dict[str, float]:  # fmt: skip
     """llama.cpp's own speed on ``gguf`` with ``threads`` threads, from ``llama-bench -o json``: prompt tokens
@@ -65,13 +81,13 @@ def llama_bench(gguf: Path, threads: int, *, binary: Path, prompt: int = 512, ge
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"llama-bench could not run: {exc}") from None
+        raise ExternalToolError(f"{binary} could not run: {exc}") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench exited ({proc.returncode}): {proc.stderr.strip()[-300:]}")
+        raise ExternalToolError(f"{binary} {_exit_reason(proc.returncode)}: {proc.stderr.strip()[-300:]}")
     try:
         tests = json.loads(proc.stdout)
     except json.JSONDecodeError:
-        raise RuntimeError(f"llama-bench printed no JSON: {proc.stdout.strip()[:200]}") from None
+        raise ExternalToolError(f"{binary} printed no JSON: {proc.stdout.strip()[:200]}") from None
     out: dict[str, float] = {}
     for t in tests:
         if int(t.get("n_gen", 0)) > 0 and int(t.get("n_prompt", 0)) == 0:
@@ -122,7 +138,7 @@ class _Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace")[-400:] if self.proc.stderr else ""
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}): {err}")
+                raise ExternalToolError(f"{binary} {_exit_reason(self.proc.returncode)}: {err}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:

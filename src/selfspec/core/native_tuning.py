@@ -9,8 +9,10 @@ right everywhere: each tunable knob is timed inside whole one-token passes of
 the model being loaded (what decoding repeats), the candidates interleaved so
 that a spell of load hits all alike, each priced by its fastest pass, and the
 fastest kept unless the default is within ``KEEP_DEFAULT`` of it.  Timings
-whose spread shows a busy machine choose nothing: the default holds and the
-next load times again.  The choice is cached per native library
+whose spread shows a busy machine choose only a candidate that beats the
+default by ``BUSY_MARGIN`` in both its fastest and its median pass (the
+prefetch on Intel server parts: 2x, clear under any load), else the default
+holds; either way nothing is cached and the next load times again.  The choice is cached per native library
 (its key holds the CPU model and flags, compiler and sources) and model size
 class, and ``selfspec kernels`` reports it with every candidate's time.
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -58,6 +61,7 @@ PREFETCH_DEFAULT = 4096
 SPLIT_CANDIDATES = (0, -4, 16)  # static halves, guided (4 blocks at least), dynamic (16 blocks a time)
 SPLIT_DEFAULT = 0
 KEEP_DEFAULT = 0.03  # the default stays unless a candidate is more than this share faster
+BUSY_MARGIN = 1.5  # on a busy machine a candidate still wins when this much faster by its fastest and median pass
 REPS = 9
 
 
@@ -69,20 +73,24 @@ class TuneResult:
     ms: dict[int, float]  # candidate -> median ms of one timed pass
     key: str
     cached: bool = False
-    busy: bool = False  # timed on a busy machine: the default kept, nothing cached
+    busy: bool = False  # timed on a busy machine: nothing cached, the default kept unless clearly beaten
 
     def describe(self) -> str:
         times = ", ".join(f"{v}: {ms:.2f} ms" for v, ms in sorted(self.ms.items()))
         why = "default kept" if self.choice == self.default else f"{self.ms[self.default] / self.ms[self.choice]:.2f}x"
         if self.busy:
-            why = "default kept: the machine was busy while timing"
+            why = ("default kept: the machine was busy while timing" if self.choice == self.default else
+                   f"{why}, clear though the machine was busy while timing: not cached")
         return f"{self.knob} = {self.choice} ({why}; one-token pass with each: {times})"
 
 
 def tune(knob: str, candidates: tuple[int, ...], default: int, apply: Callable[[int], None],
-         time_pass: Callable[[], float], *, key: str, force: bool = False) -> TuneResult:  # fmt: skip
+         time_pass: Callable[[], float], *, key: str, force: bool = False,
+         decide_when_busy: bool = True) -> TuneResult:  # fmt: skip
     """Choose ``knob`` among ``candidates`` by timing ``time_pass`` (seconds of one pass) under each, applied
-    with ``apply``; from the cache under ``key`` unless ``force``.  The choice is applied before returning."""
+    with ``apply``; from the cache under ``key`` unless ``force``.  The choice is applied before returning.
+    ``decide_when_busy=False``: on a busy machine the default holds however clear a win (for a knob whose best
+    value depends on the load itself, as the thread count does)."""
     path = cache_dir("native") / f"tuning-{knob}-{key}.json"
     if not force and path.is_file():
         try:
@@ -106,7 +114,12 @@ def tune(knob: str, candidates: tuple[int, ...], default: int, apply: Callable[[
     ms = {c: min(ts) for c, ts in times.items()}  # the pass undisturbed: other work only ever adds time
     busy = max(clock.quartile_spread(ts) for ts in times.values()) > clock.BUSY_SPREAD or load.busy
     best = min(ms, key=ms.__getitem__)
-    choice = best if not busy and ms[best] < (1 - KEEP_DEFAULT) * ms[default] else default
+    if not busy:
+        wins = ms[best] < (1 - KEEP_DEFAULT) * ms[default]
+    else:  # a win larger than the load's swing: the fastest and the median passes agree on it
+        median = {c: statistics.median(ts) for c, ts in times.items()}
+        wins = decide_when_busy and max(ms[best] / ms[default], median[best] / median[default]) < 1 / BUSY_MARGIN
+    choice = best if wins else default
     apply(choice)
     result = TuneResult(knob, choice, default, ms, key, busy=busy)
     if not busy:  # a choice made while something else ran is not kept: the next load times again
@@ -142,7 +155,7 @@ def tune_model(model, *, force: bool = False) -> list[TuneResult]:
     if threads > 1:
         candidates = tuple(sorted({1, max(1, threads // 2), threads}))
         results.append(tune("pass_threads", candidates, threads, lib.selfspec_set_pass_threads, timer,
-                            key=f"{key}-t{threads}", force=force))  # fmt: skip
+                            key=f"{key}-t{threads}", force=force, decide_when_busy=False))  # fmt: skip
     chosen = results[-1].choice if threads > 1 else 1
     lib.selfspec_set_int8_split(SPLIT_DEFAULT)
     if chosen > 1:  # how the chosen threads share a product
