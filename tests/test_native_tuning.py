@@ -52,6 +52,7 @@ def test_the_default_stays_within_noise():
 
 @pytest.mark.skipif(not quant.int8_kernels_available(), reason="needs native int8 kernels")
 @pytest.mark.parametrize("knob, values", [("int8_prefetch", native_tuning.PREFETCH_CANDIDATES),
+                                          ("int8_prefetch_hint", native_tuning.HINT_CANDIDATES + (2, -1)),
                                           ("pass_threads", (1, 2, 3)),
                                           ("int8_split", native_tuning.SPLIT_CANDIDATES + (1, -1))])  # fmt: skip
 def test_no_variant_changes_a_logit(knob, values):
@@ -60,19 +61,22 @@ def test_no_variant_changes_a_logit(knob, values):
     engine, lib = model.engine, quant.native()
     setter, getter = getattr(lib, f"selfspec_set_{knob}"), getattr(lib, f"selfspec_{knob}")
     ids = torch.arange(3, 40) % model.adapter.vocab_size
-    old = getter()
+    old, distance = getter(), lib.selfspec_int8_prefetch()
+    lib.selfspec_set_int8_prefetch(4096)  # the hint acts only where the products prefetch at all
     out = []
     try:
         with quant.activations("int8"):
             for value in values:
                 setter(value)
-                assert getter() == value
+                # an unknown hint is taken as non-temporal (0)
+                assert getter() == (value if knob != "int8_prefetch_hint" or value in (0, 1, 3) else 0)
                 cache = engine.new_cache(64)
                 engine.forward(cache, ids[:30], 0)
                 cache.commit(30)
                 out.append(engine.forward(cache, ids[30:], 30))
     finally:
         setter(old)
+        lib.selfspec_set_int8_prefetch(distance)
     assert all(torch.equal(out[0], o) for o in out[1:])
 
 
@@ -84,8 +88,11 @@ def test_a_loaded_model_reports_its_tuned_variants(smollm2):
     # tuned again (cached: no timing) under this thread count: the session's model may have been loaded by a test
     # that ran it on one thread, where there is no thread count to tune
     tuned = native_tuning.tune_model(smollm2)
-    if quant.int8_kernels_available():  # the vector products' prefetch (the portable loops have none)
-        result = tuned.pop(0)
+    if quant.int8_kernels_prefetch():  # the vector products' prefetch: its caches, then its distance
+        hint, result = tuned.pop(0), tuned.pop(0)
+        assert hint.knob == "int8_prefetch_hint" and hint.choice in native_tuning.HINT_CANDIDATES
+        assert set(hint.ms) == set(native_tuning.HINT_CANDIDATES)
+        assert quant.native().selfspec_int8_prefetch_hint() == hint.choice
         assert result.knob == "int8_prefetch" and result.choice in native_tuning.PREFETCH_CANDIDATES
         assert set(result.ms) == set(native_tuning.PREFETCH_CANDIDATES) and all(ms > 0 for ms in result.ms.values())
         assert "int8_prefetch =" in result.describe()

@@ -194,6 +194,24 @@ static long prefetch_bytes = 4096;
 void selfspec_set_int8_prefetch(long bytes) { prefetch_bytes = bytes < 0 ? 0 : bytes; }
 long selfspec_int8_prefetch(void) { return prefetch_bytes; }
 
+/* Which caches that prefetch fills, as __builtin_prefetch's locality: 0 non-temporal (prefetchnta: Zen's choice),
+ * 1 the outer caches (prefetcht2), 3 every level (prefetcht0).  Chosen per machine by timing: on an Intel Xeon
+ * (Sapphire Rapids) VM non-temporal prefetches halved the products' speed (a line fetched past L2 trains no L2
+ * streamer) where t2 / t0 ones beat no prefetch by 8% (one-token pass) and 15% (5 rows). */
+static int prefetch_hint = 0;
+void selfspec_set_int8_prefetch_hint(int hint) { prefetch_hint = hint == 1 || hint == 3 ? hint : 0; }
+int selfspec_int8_prefetch_hint(void) { return prefetch_hint; }
+/* the branch on the run-time hint is taken the same way all pass long: predicted, a few instructions a group */
+#define PREFETCH_W(hint, p)                                                                                           \
+    do {                                                                                                              \
+        if ((hint) == 3)                                                                                              \
+            __builtin_prefetch((p), 0, 3);                                                                            \
+        else if ((hint) == 1)                                                                                         \
+            __builtin_prefetch((p), 0, 1);                                                                            \
+        else                                                                                                          \
+            __builtin_prefetch((p), 0, 0);                                                                            \
+    } while (0)
+
 /* Threads of a decoding pass (the fused stack, the int8 head): 0 = OpenMP's default.  Chosen per machine by
  * timing too: where the two "cores" are hyperthreads of one, or another process holds one, a second thread
  * adds barrier waits and no bandwidth. */
@@ -403,14 +421,15 @@ static inline __attribute__((always_inline)) void block_vnni(const int NB, const
     UNROLL
     for (int t = 0; t < NB; t++) acc[t] = _mm512_setzero_ps();
     const long group_bytes = GROUP_BYTES(BITS, G), ahead = prefetch_bytes / group_bytes;
+    const int hint = prefetch_hint;
     for (long g = 0; g < groups; g++) {
         /* the weights prefetch_bytes ahead in this thread's stream (its blocks are consecutive): a share of a
          * product is too short a stream for the hardware prefetcher, which alone read the head at 2/3 the speed */
         if (ahead) {
             UNROLL
-            for (long b = 0; b < group_bytes; b += 64) __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
-            __builtin_prefetch((const char *)scale + (g + ahead) * 16 * SCALE_BYTES(SK), 0, 0);
-            if (!SYM) __builtin_prefetch((const char *)minv + (g + ahead) * 16 * SCALE_BYTES(SK), 0, 0);
+            for (long b = 0; b < group_bytes; b += 64) PREFETCH_W(hint, codes + (g + ahead) * group_bytes + b);
+            PREFETCH_W(hint, (const char *)scale + (g + ahead) * 16 * SCALE_BYTES(SK));
+            if (!SYM) PREFETCH_W(hint, (const char *)minv + (g + ahead) * 16 * SCALE_BYTES(SK));
         }
         __m512i w[8];
         if (NIBBLES(BITS)) {
@@ -587,6 +606,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
     const __m256i low = _mm256_set1_epi8(15);
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_CODES));
     const long group_bytes = GROUP_BYTES(BITS, G), ahead = prefetch_bytes / group_bytes; /* as block_vnni's */
+    const int hint = prefetch_hint;
     for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7 */
         __m256 acc[8];             /* NB <= BLOCK_RUN = 4; sized for the shared switch's unreachable cases */
         UNROLL
@@ -595,7 +615,7 @@ static inline __attribute__((always_inline)) void block_avx2(const int NB, const
             if (ahead && h == 0)
                 UNROLL
                 for (long b = 0; b < group_bytes; b += 64)
-                    __builtin_prefetch(codes + (g + ahead) * group_bytes + b, 0, 0);
+                    PREFETCH_W(hint, codes + (g + ahead) * group_bytes + b);
             const uint8_t *c = codes + g * group_bytes + 32 * h;
             const __m256 dv = scales8(scale, g, h, SK, groups, G);
             const __m256 mv = SYM ? _mm256_setzero_ps() : scales8(minv, g, h, SK, groups, G);

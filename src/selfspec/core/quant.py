@@ -443,6 +443,9 @@ def native() -> ctypes.CDLL:
             lib.selfspec_set_int8_prefetch.argtypes = [n]
             lib.selfspec_set_int8_prefetch.restype = None
             lib.selfspec_int8_prefetch.restype = n
+            lib.selfspec_set_int8_prefetch_hint.argtypes = [ctypes.c_int]
+            lib.selfspec_set_int8_prefetch_hint.restype = None
+            lib.selfspec_int8_prefetch_hint.restype = ctypes.c_int
             lib.selfspec_set_int8_split.argtypes = [n]
             lib.selfspec_set_int8_split.restype = None
             lib.selfspec_int8_split.restype = n
