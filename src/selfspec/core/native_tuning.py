@@ -2,9 +2,9 @@
 
 A kernel's best form depends on the CPU: how far ahead the int8 products
 prefetch their weight stream is worth a third of a step on one CPU (Zen 5:
-none read the 262k-row head at 2/3 of the speed of 2-16 KB ahead) and may cost
-on another whose own prefetchers already run ahead (Intel server parts have an
-L2 streamer that software prefetches can crowd out).  So no constant is
+none read the 262k-row head at 2/3 of the speed of 2-16 KB ahead), and the
+same non-temporal prefetch halves it on another (an Intel Xeon, whose L2
+streamer never sees the lines it fetches past L2).  So no constant is
 right everywhere: each tunable knob is timed inside whole one-token passes of
 the model being loaded (what decoding repeats), the candidates interleaved so
 that a spell of load hits all alike, each priced by its fastest pass, and the
