@@ -74,6 +74,8 @@ results: install
 	$(BIN)/selfspec bench --model gemma3-270m --dataset spec-bench --limit 5 --max-new-tokens 128 --warmup 1 \
 		--methods vanilla,vocab,asd,lowbit,auto,pld --out docs/results/selfdraft-gemma3-270m
 	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(SELFDRAFT) --limit 5 --out docs/results/selfdraft-qwen2.5-coder-0.5b
+	$(BENCH) --model qwen2.5-coder-0.5b --dataset spec-bench --limit 1 --methods vanilla,lowbit,vocab,asd,auto,pld,llamacpp \
+		--llama-cpp $(LLAMA_CPP) --out docs/results/specbench-peers-qwen2.5-coder-0.5b
 	$(BIN)/selfspec bench --model smollm2-135m $(STRUCTURED) --methods vanilla,pld,vocab,asd,auto \
 		--out docs/results/structured-smollm2-135m
 	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(STRUCTURED) --methods vanilla,pld,lowbit,vocab,auto \
