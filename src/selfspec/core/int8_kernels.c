@@ -197,7 +197,7 @@ long selfspec_int8_prefetch(void) { return prefetch_bytes; }
 /* Which caches that prefetch fills, as __builtin_prefetch's locality: 0 non-temporal (prefetchnta: Zen's choice),
  * 1 the outer caches (prefetcht2), 3 every level (prefetcht0).  Chosen per machine by timing: on an Intel Xeon
  * (Sapphire Rapids) VM non-temporal prefetches halved the products' speed (a line fetched past L2 trains no L2
- * streamer) where t2 / t0 ones beat no prefetch by 8% (one-token pass) and 15% (5 rows). */
+ * streamer) where t2 / t0 ones beat no prefetch by 8% (one-token pass) and 14% (5 rows). */
 static int prefetch_hint = 0;
 void selfspec_set_int8_prefetch_hint(int hint) { prefetch_hint = hint == 1 || hint == 3 ? hint : 0; }
 int selfspec_int8_prefetch_hint(void) { return prefetch_hint; }

@@ -11,10 +11,11 @@ that a spell of load hits all alike, each priced by its fastest pass, and the
 fastest kept unless the default is within ``KEEP_DEFAULT`` of it.  Timings
 whose spread shows a busy machine choose only a candidate that beats the
 default by ``BUSY_MARGIN`` in both its fastest and its median pass (the
-prefetch on Intel server parts: 2x, clear under any load), else the default
-holds; either way nothing is cached and the next load times again.  The choice is cached per native library
-(its key holds the CPU model and flags, compiler and sources) and model size
-class, and ``selfspec kernels`` reports it with every candidate's time.
+prefetch's caches on an Intel Xeon: 2x, clear under any load), else the
+default holds; either way nothing is cached and the next load times again.
+The choice is cached per native library (its key holds the CPU model and
+flags, compiler and sources) and model size class, and ``selfspec kernels``
+reports it with every candidate's time.
 
 Knobs (the native library's setters):
 
@@ -23,7 +24,7 @@ Knobs (the native library's setters):
   at the default distance: on an Intel Xeon (Sapphire Rapids) VM non-temporal
   prefetches halve the products' speed (lines fetched past L2 train no L2
   streamer: Qwen2.5-Coder 0.5B one-token pass 36.6 ms against 18.2 with none)
-  where the outer caches' beat none by 8%, and a 5-row pass by 15%; on Zen 4/5
+  where the outer caches' beat none by 8%, and a 5-row pass by 14%; on Zen 4/5
   non-temporal ones are what was tuned;
 * ``int8_prefetch``: bytes ahead of the int8 products' software prefetch
   (0 = none), ``selfspec_set_int8_prefetch``, under the chosen hint (the x86
