@@ -130,17 +130,24 @@ def test_steady_load_from_elsewhere_keeps_the_default_too(monkeypatch):
     assert not tune("t", (0, 4096), 4096, apply, time_pass, key="k4").cached
 
 
-def test_a_busy_machine_keeps_the_default_and_caches_nothing():
-    """Timings that swing (another process ran) decide nothing: the default holds and the next call times again."""
-    state: dict = {}
-    swings = iter([1.0, 9.0] * 100)
+def _swinging_timer(state: dict, swings: list[float]):
+    """A candidate 0 twice as fast as any other, every pass slowed by the next of ``swings`` (repeated): the
+    timings of a machine where something else runs now and then."""
+    factors = iter(swings * 1000)
 
     def apply(value: int) -> None:
         state["value"] = value
 
     def time_pass() -> float:
-        return (0.5 if state["value"] == 0 else 1.0) * next(swings) / 1000
+        return (0.5 if state["value"] == 0 else 1.0) * next(factors) / 1000
 
+    return apply, time_pass
+
+
+def test_a_busy_machine_keeps_the_default_and_caches_nothing():
+    """Timings that swing (another process ran) decide nothing: the default holds and the next call times again."""
+    state: dict = {}
+    apply, time_pass = _swinging_timer(state, [1.0, 9.0])  # the median pass disagrees with the fastest
     first = tune("t", (0, 4096), 4096, apply, time_pass, key="k3")
     assert first.busy and first.choice == 4096 and state["value"] == 4096
     assert "busy" in first.describe()
@@ -152,14 +159,7 @@ def test_a_busy_machine_still_takes_a_clear_win_but_caches_it_not():
     parts: no software prefetch, 2.1x, seen while a compiler held both cores), uncached; a knob whose best value
     depends on the load (the thread count) keeps its default there."""
     state: dict = {}
-    swings = iter([1.0, 3.0, 1.2] * 200)
-
-    def apply(value: int) -> None:
-        state["value"] = value
-
-    def time_pass() -> float:
-        return (0.5 if state["value"] == 0 else 1.0) * next(swings) / 1000
-
+    apply, time_pass = _swinging_timer(state, [1.0, 3.0, 1.2])  # fastest and median agree: 2x
     first = tune("t", (0, 4096), 4096, apply, time_pass, key="k5")
     assert first.busy and first.choice == 0 and state["value"] == 0
     assert "clear though the machine was busy" in first.describe() and "not cached" in first.describe()
