@@ -93,6 +93,7 @@ def test_a_loaded_model_reports_its_tuned_variants(smollm2):
         assert hint.knob == "int8_prefetch_hint" and hint.choice in native_tuning.HINT_CANDIDATES
         assert set(hint.ms) == set(native_tuning.HINT_CANDIDATES)
         assert quant.native().selfspec_int8_prefetch_hint() == hint.choice
+        assert "int8_prefetch_hint = " in hint.describe() and "(non-temporal):" in hint.describe()
         assert result.knob == "int8_prefetch" and result.choice in native_tuning.PREFETCH_CANDIDATES
         assert set(result.ms) == set(native_tuning.PREFETCH_CANDIDATES) and all(ms > 0 for ms in result.ms.values())
         assert "int8_prefetch =" in result.describe()

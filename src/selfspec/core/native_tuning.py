@@ -70,6 +70,10 @@ HINT_CANDIDATES = (0, 1, 3)  # __builtin_prefetch's locality: non-temporal, oute
 HINT_DEFAULT = 0
 SPLIT_CANDIDATES = (0, -4, 16)  # static halves, guided (4 blocks at least), dynamic (16 blocks a time)
 SPLIT_DEFAULT = 0
+LABELS = {  # what a knob's values mean, for the report
+    "int8_prefetch_hint": {0: "non-temporal", 1: "outer caches", 3: "every cache"},
+    "int8_split": {0: "halves", -4: "guided", 16: "dynamic"},
+}
 KEEP_DEFAULT = 0.03  # the default stays unless a candidate is more than this share faster
 BUSY_MARGIN = 1.5  # on a busy machine a candidate still wins when this much faster by its fastest and median pass
 REPS = 9
@@ -85,13 +89,19 @@ class TuneResult:
     cached: bool = False
     busy: bool = False  # timed on a busy machine: nothing cached, the default kept unless clearly beaten
 
+    def label(self, value: int) -> str:
+        """A value with its meaning where the knob's values are codes (``1 (outer caches)``)."""
+        meaning = LABELS.get(self.knob, {}).get(value)
+        return f"{value} ({meaning})" if meaning else f"{value}"
+
     def describe(self) -> str:
-        times = ", ".join(f"{v}: {ms:.2f} ms" for v, ms in sorted(self.ms.items()))
+        label = self.label
+        times = ", ".join(f"{label(v)}: {ms:.2f} ms" for v, ms in sorted(self.ms.items()))
         why = "default kept" if self.choice == self.default else f"{self.ms[self.default] / self.ms[self.choice]:.2f}x"
         if self.busy:
             why = ("default kept: the machine was busy while timing" if self.choice == self.default else
                    f"{why}, clear though the machine was busy while timing: not cached")
-        return f"{self.knob} = {self.choice} ({why}; one-token pass with each: {times})"
+        return f"{self.knob} = {label(self.choice)} ({why}; one-token pass with each: {times})"
 
 
 def tune(knob: str, candidates: tuple[int, ...], default: int, apply: Callable[[int], None],
