@@ -27,15 +27,22 @@ PROMPT = 40  # below the prompt kernel's 65 rows: every pass takes the row kerne
 
 @pytest.fixture(scope="module")
 def isa_libs(tmp_path_factory) -> dict[str, ctypes.CDLL]:
-    """The library built for each narrower ISA this CPU can run, once for this module."""
-    libs = {}
+    """The library built for each narrower ISA this CPU can run, once for this module (the builds side by side:
+    each compiler runs on one core)."""
+    builds = {}
     for isa in ("avxvnni", "avx2", "portable"):
         if isa in ("avx2", "avxvnni") and not _cpu_has("avx2", "fma", "f16c"):
             continue
         if isa == "avxvnni" and not _cpu_has("avx_vnni"):
             continue
         path = tmp_path_factory.mktemp(isa) / f"{isa}.so"
-        subprocess.run(["gcc", *CFLAGS, *ISA_FLAGS[isa], "-o", str(path), *map(str, SOURCES), "-lm"], check=True)
+        cmd = ["gcc", *CFLAGS, *ISA_FLAGS[isa], "-o", str(path), *map(str, SOURCES), "-lm"]
+        builds[isa] = (path, cmd, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
+    libs = {}
+    for isa, (path, cmd, proc) in builds.items():
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=err)
         libs[isa] = ctypes.CDLL(str(path))
     return libs
 

@@ -4,6 +4,7 @@ central invariant (greedy drafts give vanilla's tokens)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,3 +142,36 @@ def test_a_gemma3_shape_takes_llama_cpps_fallback_types_and_decodes_losslessly(t
     plain = selfspec.generate(model, "Hello there", "vanilla", max_new_tokens=16)
     drafted = selfspec.generate(model, "Hello there", "asd", max_new_tokens=16, preset="paper", draft_length=3)
     assert drafted.stats.drafted > 0 and drafted.token_ids == plain.token_ids
+
+
+def test_a_requantized_file_holds_the_same_weights_in_q8_0_and_drafts_from_4_bit_copies(tiny_file, tmp_path):
+    """``requantize``: every quantised matrix in Q8_0 blocks with the values the source held (Q8_0 rounds each
+    to within half a step of its block's scale, plus 127 times that scale's rounding to a half), vectors kept;
+    such a file's 8-bit weights are worth 4-bit copies, and ``lowbit`` drafting from them gives vanilla's
+    tokens."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from selfspec.bench.synthetic import requantize
+
+    out = requantize(tiny_file, tmp_path / "q8.gguf")
+    src, dst = GGUFReader(tiny_file), GGUFReader(out)
+    assert [t.name for t in src.tensors] == [t.name for t in dst.tensors]
+    for a, b in zip(src.tensors, dst.tensors, strict=True):
+        if len(a.shape) < 2:
+            assert b.tensor_type == a.tensor_type
+            continue
+        assert b.tensor_type == GGMLQuantizationType.Q8_0
+        x, y = dequantize(a.data, a.tensor_type), dequantize(b.data, b.tensor_type)
+        step = abs(x).reshape(-1, 32).max(axis=1, keepdims=True) / 127  # Q8_0's scale per block of 32
+        half = abs(step.astype(np.float16).astype(np.float32) - step)  # the scale is stored as a half
+        assert (abs(x - y).reshape(-1, 32) <= 0.5 * step + 127 * half + 1e-9).all(), a.name
+    with activations("int8"):
+        model = selfspec.load(str(out))
+        assert model.engine._fused.has_low_bit
+        prompt = [{"role": "user", "content": "Count to ten."}]
+        base = selfspec.generate(model, prompt, "vanilla", max_new_tokens=24)
+        low = selfspec.generate(model, prompt, "lowbit", max_new_tokens=24)
+        assert low.token_ids == base.token_ids and low.stats.drafted > 0
+    with pytest.raises(InvalidInputError, match="unknown type"):
+        requantize(tiny_file, tmp_path / "x.gguf", "q5_1")

@@ -15,6 +15,9 @@ Q3_K_M, Q2_K and IQ4_XS recipes, not their exact per-layer choices).
 
 Run: ``python -m selfspec.bench.synthetic --shape qwen2.5-1.5b --out /tmp/qwen-1.5b.gguf`` (``--like`` defaults
 to the built-in model of the family: ``selfspec models install qwen2.5-coder-0.5b`` for the Qwen2.5 shapes)
+
+``--requantize FILE --type q8_0`` writes a real model's own weights in Q8_0 blocks instead (:func:`requantize`):
+the type many small models are run in, where lower-bit copies (``lowbit``) save the most.
 """
 
 from __future__ import annotations
@@ -253,6 +256,39 @@ def write_synthetic(shape: str | Shape, out: Path, like: Path | None = None, see
     return out
 
 
+REQUANT_TYPES = {"q8_0": 7}  # type -> general.file_type (llama.cpp's MOSTLY_Q8_0)
+
+
+def requantize(src: Path, out: Path, kind: str = "q8_0") -> Path:
+    """A copy of GGUF file ``src`` at ``out`` with every quantised matrix requantised to ``kind`` (its values as
+    ``src`` holds them, in ``kind``'s blocks; vectors and float tensors kept as they are): a real model's weights
+    in the type many users download small models in (Q8_0), where only a lower-bit file is at hand.  The codes
+    come from the lower-bit values, so the file measures speed, memory and how lower-bit copies agree with the
+    model (``lowbit``), not Q8_0's own accuracy.  Returns ``out``."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    if kind not in REQUANT_TYPES:
+        raise InvalidInputError(f"unknown type {kind!r}; known: {', '.join(REQUANT_TYPES)}")
+    target = GGMLQuantizationType[kind.upper()]
+    reader = GGUFReader(src)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    writer = GGUFWriter(str(out), arch)
+    _copy_fields(writer, reader, {"general.file_type": REQUANT_TYPES[kind]})
+    plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    for t in reader.tensors:
+        if t.tensor_type in plain or len(t.shape) < 2 or t.tensor_type == target:
+            writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+            continue
+        codes = quantize(dequantize(t.data, t.tensor_type).astype(np.float32), target)
+        writer.add_tensor(t.name, codes, raw_shape=codes.shape, raw_dtype=target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+    return out
+
+
 def _donor(arch: str) -> Path:
     """The built-in model's GGUF file of family ``arch`` (its tokenizer is copied)."""
     from ..model.models import BUILTINS, _builtin_gguf
@@ -273,7 +309,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mix", default="q4_k_m", choices=list(MIXES),
                         help="tensor types: llama.cpp's Q4_K_M recipe (default), or Q3_K / Q2_K / IQ4_XS in its place")
+    parser.add_argument("--requantize", type=Path, metavar="FILE",
+                        help="instead: FILE's own weights with every quantised matrix in --type (see requantize)")
+    parser.add_argument("--type", default="q8_0", choices=list(REQUANT_TYPES), help="--requantize's type")
     args = parser.parse_args(argv)
+    if args.requantize is not None:
+        print(requantize(args.requantize, args.out, args.type))
+        return
     print(write_synthetic(args.shape, args.out, args.like, args.seed, args.mix))
 
 
