@@ -55,6 +55,7 @@ def test_sublayer_costs_come_from_draft_passes_alone():
 
 
 def test_best_precision_needs_agreement_and_a_real_saving():
+    """Priced by predicted chain speed, among precisions agreeing on MIN_AGREEMENT of tokens (fewer: broken)."""
     same = DraftCosts(1.0, 1.0, 5.0, 1.0)
     cheap_but_wrong = DraftCosts(0.1, 0.1, 1.0, 0.5)  # overflowed: agrees on half the tokens
     cheap = DraftCosts(0.3, 0.3, 2.0, 0.99)

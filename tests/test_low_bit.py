@@ -144,13 +144,16 @@ def test_auto_keeps_asd_where_there_is_nothing_to_copy(smollm2):
     assert default_self_draft(smollm2, {}) == "asd"
 
 
-@pytest.mark.parametrize(("saving", "head_only", "expected"), [
-    (0.5, False, "q4"),  # half the layers' cost, full verification the only kind: q4
-    (0.5, True, "q4"),  # ... and still more than head-only rounds in the model's own weights earn
-    (0.2, True, "same"),  # a fifth less, but verified by full passes: head-only rounds earn more
-    (0.2, False, "q4"),
+@pytest.mark.parametrize(("saving", "agreement", "head_only", "expected"), [
+    (0.5, 0.95, False, "q4"),  # half the layers' cost, full verification the only kind: q4
+    (0.5, 0.95, True, "q4"),  # ... and still more than head-only rounds in the model's own weights earn
+    (0.2, 0.95, True, "same"),  # a fifth less, but verified by full passes: head-only rounds earn more
+    (0.2, 0.95, False, "same"),  # a fifth less at 95% agreement: the own weights' drafts, kept at 99%, earn more
+    (0.5, 0.9, False, "same"),  # half the cost, but a tenth of the tokens lost: priced, not gated
 ])  # fmt: skip
-def test_the_auto_precision_weighs_head_only_verification(gemma3, saving, head_only, expected):
+def test_the_auto_precision_weighs_head_only_verification(gemma3, saving, agreement, head_only, expected):
+    """``draft_dtype=auto`` prices each precision's chains (step cost and agreement together), with head-only
+    verification for the model's own where it applies (CostProfile.best_precision)."""
     from dataclasses import replace
 
     from selfspec.cost.costs import DraftCosts, read_bound_profile
@@ -158,9 +161,11 @@ def test_the_auto_precision_weighs_head_only_verification(gemma3, saving, head_o
     prof = read_bound_profile(gemma3)
     same = prof.drafts["same"]
     layers = prof.num_layers * (same.attention_ms + same.mlp_ms)
-    q4 = DraftCosts(0.0, 0.0, same.base_ms + (1 - saving) * layers, 0.95)  # all in base: a draft keeping every layer
+    q4 = DraftCosts(0.0, 0.0, same.base_ms + (1 - saving) * layers, agreement)  # all in base: every layer kept
     prof = replace(prof, drafts={**prof.drafts, "q4": q4})
     assert prof.best_precision(head_only) == expected
+    own = prof.chain_speedup("same", head_only)
+    assert (prof.chain_speedup("q4", False) >= 1.05 * own) == (expected == "q4")  # the rule, in its own terms
 
 
 def test_low_bit_drafts_follow_the_activation_mode(gemma3):
