@@ -141,6 +141,41 @@ def test_a_losing_layer_skip_source_sits_out_but_still_explores(gain):
     assert explored_at == [sum(w + 1 for w in waits[: i + 1]) - 1 for i in range(len(waits))]
 
 
+class DraftThree(DeclineToDraft):
+    """A layer-skip stand-in that drafts three tokens every time it is asked."""
+
+    def propose(self, history, **kw):
+        self.calls += 1
+        return DraftOutcome(DraftTree.chain(4, [1, 2, 3]), [0.9] * 3, {}, 3)
+
+
+def test_an_exploring_round_that_pays_lets_the_layer_skip_source_draft_again():
+    """A source whose running gain fell below PAYS drafts only to explore; when such a round pays (4 tokens for
+    two vanilla steps' time), it drafts in the very next round instead of after another, longer wait; one that
+    explores and still loses waits on."""
+    from selfspec.drafters.hybrid import EXPLORE_EVERY
+
+    history = list(range(100))  # no n-gram repeats: the lookup source has nothing
+    for round_ms, drafts_next in ((20.0, True), (60.0, False)):  # 2 vanilla steps' worth: pays; 6: loses
+        layerskip = DraftThree()
+        layerskip.economy = SimpleNamespace(verify_ms=lambda tokens: 10.0)
+        hybrid = HybridDrafter(PromptLookupDrafter(), layerskip)
+        hybrid.skip_gain = 0.6  # its last rounds lost time
+        explored = 0
+        for _ in range(EXPLORE_EVERY + 2):
+            calls = layerskip.calls
+            out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20,
+                                 sampler=GREEDY_SAMPLER)  # fmt: skip
+            if layerskip.calls > calls:
+                explored += 1
+                hybrid.observe(out, [0, 1, 2, 3], tokens=4, round_ms=round_ms, draft_ms=round_ms - 10.0,
+                               verify_ms=10.0)  # fmt: skip
+            else:
+                hybrid.observe(out, [0], tokens=1, round_ms=10.0, draft_ms=0.0, verify_ms=10.0)
+        assert (hybrid.skip_gain >= PAYS) == drafts_next
+        assert explored == (2 if drafts_next else 1)  # the exploring round, then (if it paid) the next one
+
+
 def _explorations(hybrid, layerskip, history, rounds: int) -> list[int]:
     """The rounds (of ``rounds`` plain ones) in which the hybrid let its layer-skip source draft."""
     explored = []
