@@ -54,6 +54,7 @@ BENCH := $(BIN)/selfspec bench --max-new-tokens 128 --warmup 1
 SPEC5 := --dataset spec-bench --limit 5 --methods vanilla,auto,pld,suffix,swift,asd
 XH := --stream xsum,humaneval --limit 5 --methods vanilla,asd,auto,pld
 SELFDRAFT := --dataset spec-bench --max-new-tokens 128 --warmup 1 --methods vanilla,lowbit,vocab,asd,auto,pld
+Q8_FILE := $(HOME)/.cache/selfspec/qwen2.5-coder-0.5b-q8_0.gguf  # the built-in Q4_K_M's weights in Q8_0 (synthetic --requantize)
 STRUCTURED := --dataset structured --limit 12 --max-new-tokens 192 --warmup 1
 PEERS := --dataset spec-bench --limit 2 --methods vanilla,auto,pld,suffix,asd,swift,lookahead,hf,llamacpp --llama-cpp $(LLAMA_CPP)
 
@@ -74,6 +75,9 @@ results: install
 	$(BIN)/selfspec bench --model gemma3-270m --dataset spec-bench --limit 5 --max-new-tokens 128 --warmup 1 \
 		--methods vanilla,vocab,asd,lowbit,auto,pld --out docs/results/selfdraft-gemma3-270m
 	$(BIN)/selfspec bench --model qwen2.5-coder-0.5b $(SELFDRAFT) --limit 5 --out docs/results/selfdraft-qwen2.5-coder-0.5b
+	$(BIN)/python -m selfspec.bench.synthetic --requantize qwen2.5-coder-0.5b --type q8_0 --out $(Q8_FILE)
+	$(BIN)/selfspec bench --model $(Q8_FILE) --dataset spec-bench --max-new-tokens 128 --warmup 1 --limit 5 \
+		--methods vanilla,lowbit,auto,pld --out docs/results/selfdraft-qwen2.5-coder-0.5b-q8_0
 	$(BENCH) --model qwen2.5-coder-0.5b --dataset spec-bench --limit 1 --methods vanilla,lowbit,vocab,asd,auto,pld,llamacpp \
 		--llama-cpp $(LLAMA_CPP) --out docs/results/specbench-peers-qwen2.5-coder-0.5b
 	$(BIN)/selfspec bench --model smollm2-135m $(STRUCTURED) --methods vanilla,pld,vocab,asd,auto \

@@ -175,3 +175,13 @@ def test_a_requantized_file_holds_the_same_weights_in_q8_0_and_drafts_from_4_bit
         assert low.token_ids == base.token_ids and low.stats.drafted > 0
     with pytest.raises(InvalidInputError, match="unknown type"):
         requantize(tiny_file, tmp_path / "x.gguf", "q5_1")
+
+
+def test_requantize_names_a_missing_source_clearly(tmp_path, capsys):
+    """``--requantize`` takes a file or a built-in model's name; anything else is a usage error, no traceback."""
+    from selfspec.bench.synthetic import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--requantize", "no-such-model", "--out", str(tmp_path / "x.gguf")])
+    assert exit_info.value.code == 2
+    assert "no such file, nor a built-in model" in capsys.readouterr().err

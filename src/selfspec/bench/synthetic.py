@@ -289,6 +289,20 @@ def requantize(src: Path, out: Path, kind: str = "q8_0") -> Path:
     return out
 
 
+def _gguf_file(name_or_path: str) -> Path:
+    """A GGUF file by its path, or a built-in model's by its name."""
+    from ..model.models import BUILTINS, _builtin_gguf
+
+    if Path(name_or_path).is_file():
+        return Path(name_or_path)
+    builtin = BUILTINS.get(name_or_path)
+    if builtin is None:
+        raise InvalidInputError(f"{name_or_path}: no such file, nor a built-in model ({', '.join(BUILTINS)})")
+    if not builtin.installed():
+        raise InvalidInputError(f"{name_or_path} is not installed: run `selfspec models install {name_or_path}`")
+    return _builtin_gguf(builtin)
+
+
 def _donor(arch: str) -> Path:
     """The built-in model's GGUF file of family ``arch`` (its tokenizer is copied)."""
     from ..model.models import BUILTINS, _builtin_gguf
@@ -309,14 +323,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mix", default="q4_k_m", choices=list(MIXES),
                         help="tensor types: llama.cpp's Q4_K_M recipe (default), or Q3_K / Q2_K / IQ4_XS in its place")
-    parser.add_argument("--requantize", type=Path, metavar="FILE",
-                        help="instead: FILE's own weights with every quantised matrix in --type (see requantize)")
+    parser.add_argument("--requantize", metavar="FILE",
+                        help="instead: the weights of FILE (or of a built-in model, by name) with every quantised "
+                        "matrix in --type (see requantize)")
     parser.add_argument("--type", default="q8_0", choices=list(REQUANT_TYPES), help="--requantize's type")
     args = parser.parse_args(argv)
-    if args.requantize is not None:
-        print(requantize(args.requantize, args.out, args.type))
-        return
-    print(write_synthetic(args.shape, args.out, args.like, args.seed, args.mix))
+    try:
+        if args.requantize is not None:
+            print(requantize(_gguf_file(args.requantize), args.out, args.type))
+        else:
+            print(write_synthetic(args.shape, args.out, args.like, args.seed, args.mix))
+    except InvalidInputError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":
