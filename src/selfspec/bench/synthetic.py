@@ -291,26 +291,28 @@ def requantize(src: Path, out: Path, kind: str = "q8_0") -> Path:
 
 def _gguf_file(name_or_path: str) -> Path:
     """A GGUF file by its path, or a built-in model's by its name."""
-    from ..model.models import BUILTINS, _builtin_gguf
+    from ..model.models import BUILTINS
 
     if Path(name_or_path).is_file():
         return Path(name_or_path)
-    builtin = BUILTINS.get(name_or_path)
-    if builtin is None:
+    if name_or_path not in BUILTINS:
         raise InvalidInputError(f"{name_or_path}: no such file, nor a built-in model ({', '.join(BUILTINS)})")
-    if not builtin.installed():
-        raise InvalidInputError(f"{name_or_path} is not installed: run `selfspec models install {name_or_path}`")
-    return _builtin_gguf(builtin)
+    return _builtin_file(name_or_path, f"{name_or_path} is not installed: run")
 
 
 def _donor(arch: str) -> Path:
     """The built-in model's GGUF file of family ``arch`` (its tokenizer is copied)."""
+    return _builtin_file(DEFAULT_DONOR[arch], f"no {arch} GGUF file to copy a tokenizer from: pass --like FILE or run")
+
+
+def _builtin_file(name: str, not_installed: str) -> Path:
+    """Built-in model ``name``'s GGUF file; where it is not installed, an error saying ``not_installed`` and the
+    command that installs it."""
     from ..model.models import BUILTINS, _builtin_gguf
 
-    builtin = BUILTINS[DEFAULT_DONOR[arch]]
+    builtin = BUILTINS[name]
     if not builtin.installed():
-        raise InvalidInputError(f"no {arch} GGUF file to copy a tokenizer from: pass --like FILE or run `selfspec "
-                                f"models install {builtin.name}`")  # fmt: skip
+        raise InvalidInputError(f"{not_installed} `selfspec models install {builtin.name}`")
     return _builtin_gguf(builtin)
 
 
