@@ -298,12 +298,12 @@ def test_the_fused_stack_keeps_layer_weights_in_one_form_under_int8(smollm2):
 
 
 @pytest.mark.parametrize("kind, compact", [("Q8_0", True), ("Q4_0", True), ("Q4_1", True), ("Q5_0", False),
-                                           ("Q5_0", True), ("Q6_K", True), ("Q3_K", True), ("Q2_K", True),
-                                           ("IQ4_XS", True)])  # fmt: skip
+                                           ("Q5_0", True), ("Q5_1", True), ("Q5_K", True), ("Q6_K", True),
+                                           ("Q3_K", True), ("Q2_K", True), ("IQ4_XS", True)])  # fmt: skip
 def test_rows_of_a_released_table_are_looked_up_from_its_interleaved_copy(kind, compact, monkeypatch):
     """Token embeddings and the draft vocabulary read rows of a tied table whose row form is released: the
-    same rows, without rebuilding the whole table (byte and nibble codes decoded in place by the native
-    kernels, the compact and sub-scale forms gathered first)."""
+    same rows, without rebuilding the whole table (byte, nibble and compact 5- and 6-bit codes decoded in place
+    by the native kernels, the 2- and 3-bit and IQ4 forms gathered first)."""
     monkeypatch.setattr(quant, "_COMPACT", compact)
     qw = from_gguf(kind, random_blocks(kind, 64, 256, seed=8), 64, 256)
     ids = torch.tensor([0, 17, 63, 17, 40])

@@ -31,6 +31,26 @@ def test_low_bit_copy_is_symmetric_4_bit_within_a_step():
     assert low_bit_copy(q4) is q4  # nothing to save: shared
 
 
+def test_the_native_copy_is_torchs_quantisation_bit_for_bit():
+    """low_bit_copy's native passes (quant_kernels.c) give the codes and scales of quantize_weight's torch ops:
+    ties of magnitude (the first one taken), all-zero groups, values exactly half a step apart (rounded half to
+    even), a group's extreme at -8 d and at +8 d (clamped to 15), and rows of real weights."""
+    from selfspec.core.quant import _symmetric_q4
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 256, generator=gen)
+    w[0, :32] = 0.0  # a zero group: d = 0, every code 8
+    w[1, :32] = torch.tensor([1.0, -1.0] * 16)  # ties of magnitude: the first one sets the sign of d
+    w[2, :32] = torch.arange(32, dtype=torch.float32) / 4 - 4  # codes exactly between two steps
+    w[3, 32:64] *= 0.0
+    w[3, 40] = 3.0  # a positive extreme: d < 0, its code 8 - 8 = 0
+    w[4] = torch.round(w[4] * 8) / 8  # many exact ties at the step
+    w[5:] = quantize_weight(w[5:], 8).dequantize()  # what the copies are made of: decoded rows
+    ref, got = quantize_weight(w, 4, symmetric=True), _symmetric_q4(w)
+    assert torch.equal(got.codes, ref.codes) and torch.equal(got.scale, ref.scale) and torch.equal(got.minv, ref.minv)
+    assert got.symmetric and got.fmt == "q4" and (got.out_features, got.in_features) == (40, 256)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_symmetric_q4_products_match_its_row_form(rows):
     """The interleaved copy stores no minimum (the int8 kernels compute -8 d): the same numbers as the row

@@ -321,6 +321,55 @@ int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const 
     return 0;
 }
 
+/* The same for a copy in the compact forms of 5- and 6-bit codes (BITS 5, G 32: Q5_0, Q5_1, Q5_K; BITS 6, G 16:
+ * Q6_K), tables of kind sk (fp32, halves or sub-scales), with (minima) or without stored minima: each row's codes
+ * gathered as the row form's signed bytes (u, less 2^(BITS-1) where the form stores no minima) beside its scales
+ * and minima, then decoded by the row form's own code, bit for bit as quant.py's row_slices and rows decode them
+ * (numpy: 12 ns a weight, what made the 4-bit draft copies of a Q4_K_M file's 5- and 6-bit tensors take 2 s of
+ * 3.4 on a 0.5B model).  Returns 0, -1 (out untouched) without scratch, -2 for another form. */
+int selfspec_rows_x16_compact(long R, const int64_t *idx, long K, long G, int bits, int sk, int minima,
+                              const uint8_t *codes, const void *scale, const void *minv, float *out) {
+    if (!((bits == 5 && G == 32) || (bits == 6 && G == 16)) || sk < 0 || sk > 2) return -2;
+    const long groups = K / G, group_bytes = GROUP_BYTES(bits, G), J = bits == 5 ? 4 : 2;
+    const int off = minima ? 0 : 1 << (bits - 1), per = bits - 4;
+    const long table_bytes = SCALE_BLOCK_BYTES(sk, groups, K);
+    int8_t *row = malloc((size_t)K);
+    float *sc = malloc(2 * (size_t)groups * sizeof(float));
+    if (!row || !sc) {
+        free(row);
+        free(sc);
+        return -1;
+    }
+    float *mn = sc + groups;
+    for (long r = 0; r < R; r++) {
+        const long block = idx[r] / 16;
+        const int i = (int)(idx[r] % 16);
+        const char *st = (const char *)scale + block * table_bytes;
+        const char *mt = minima ? (const char *)minv + block * table_bytes : 0;
+        for (long g = 0; g < groups; g++) {
+            const uint8_t *c = codes + (block * groups + g) * group_bytes;
+            uint8_t u[32];
+            for (long j = 0; j < J; j++)
+                for (int b = 0; b < 4; b++) {
+                    const uint8_t v = c[64 * j + 4 * i + b];
+                    u[4 * j + b] = v & 15;
+                    u[G / 2 + 4 * j + b] = v >> 4;
+                }
+            for (int b = 0; b < 4; b++) {
+                const uint8_t h = c[64 * J + 4 * i + b];
+                for (long j = 0; j < G / 4; j++) u[4 * j + b] |= (uint8_t)(((h >> (per * j)) & ((1 << per) - 1)) << 4);
+            }
+            for (long k = 0; k < G; k++) row[g * G + k] = (int8_t)(u[k] - off);
+            sc[g] = scale_at(st, g, i, sk, groups, G);
+            mn[g] = mt ? scale_at(mt, g, i, sk, groups, G) : 0.0f;
+        }
+        selfspec_rows_q8_one(0, K, G, row, sc, minima ? mn : 0, out + r * K);
+    }
+    free(row);
+    free(sc);
+    return 0;
+}
+
 /* Small loops of a constant count (words of a group, rows of a run) unrolled whole, so that their arrays of vectors
  * stay in registers: left to the compiler's heuristics in the one big function that inlines every form, GCC kept
  * them as loops over stack arrays (a group's decoded words stored and reloaded, twice the instructions) */

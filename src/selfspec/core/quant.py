@@ -449,6 +449,13 @@ def native() -> ctypes.CDLL:
             lib.selfspec_set_int8_split.argtypes = [n]
             lib.selfspec_set_int8_split.restype = None
             lib.selfspec_int8_split.restype = n
+            lib.selfspec_rows_x16_compact.argtypes = [n, p, n, n, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p,
+                                                      p]  # fmt: skip
+            lib.selfspec_rows_x16_compact.restype = ctypes.c_int
+            lib.selfspec_low_bit_big.argtypes = [n, n, p, p]
+            lib.selfspec_low_bit_big.restype = None
+            lib.selfspec_low_bit_codes.argtypes = [n, n, p, p, p]
+            lib.selfspec_low_bit_codes.restype = None
             lib.selfspec_set_pass_threads.argtypes = [ctypes.c_int]
             lib.selfspec_set_pass_threads.restype = None
             lib.selfspec_pass_threads.restype = ctypes.c_int
@@ -806,6 +813,13 @@ class QuantWeight:
                                               int(self.fmt == "q4"), codes.data_ptr(), scale.data_ptr(), _ptr(minv),
                                               int(scale.dtype == torch.float16), out.data_ptr()) == 0):  # fmt: skip
                 return out  # (-1: no scratch memory; the gathered rows below)
+        if self._released and self.x16_bits in (5, 6):  # compact 5- and 6-bit codes: likewise
+            codes, scale, minv = self.__dict__["_x16"]
+            sk = 2 if scale.dtype == torch.uint8 else 1 if scale.dtype == torch.float16 else 0
+            if lib.selfspec_rows_x16_compact(len(idx), idx.data_ptr(), self.in_features, self.group, self.x16_bits,
+                                             sk, int(minv is not None), codes.data_ptr(), scale.data_ptr(),
+                                             _ptr(minv), out.data_ptr()) == 0:  # fmt: skip
+                return out
         if self._released:  # decode the gathered rows as rows 0..R-1 of their own table
             codes, scale, minv = self.row_slices(idx)
             idx = torch.arange(len(idx))
@@ -856,7 +870,9 @@ def pack_x16(w: QuantWeight, lasting: bool = False) -> tuple[torch.Tensor, torch
             codes[b : b + step] = _compact_blocks(raw[b : b + step].view(np.int8), bits, w.minv is not None)
             continue
         block = raw[b : b + step] if w.fmt == "q4" else raw[b : b + step] ^ np.uint8(0x80)
-        codes[b : b + step] = block.transpose(0, 2, 3, 1, 4)
+        # a row's 4 bytes of a word move together: transposed as one 32-bit unit (4x fewer, faster elements)
+        words = np.ascontiguousarray(block).view(np.uint32).reshape(block.shape[:4])
+        codes[b : b + step] = words.transpose(0, 2, 3, 1)[..., None].view(np.uint8)
     scale = w.scale.numpy().reshape(n // 16, 16, groups)
     sym = w.minv is None or (w.fmt == "q4" and w.symmetric)  # symmetric: the kernel computes -2^(bits-1) * scale
     minv = None if sym else w.minv.numpy().reshape(n // 16, 16, groups)
@@ -1471,11 +1487,28 @@ def low_bit_copy(w: QuantWeight) -> QuantWeight:
     if w.fmt == "q4":
         return w
     step = max(16, (4 << 20) // (4 * w.in_features)) // 16 * 16
-    parts = [quantize_weight(w.rows(torch.arange(r, min(r + step, w.out_features))), 4, symmetric=True)
+    parts = [_symmetric_q4(w.rows(torch.arange(r, min(r + step, w.out_features))))
              for r in range(0, w.out_features, step)]  # fmt: skip
     return QuantWeight("q4", w.out_features, w.in_features, 32, torch.cat([p.codes for p in parts]),
                        torch.cat([p.scale for p in parts]), torch.cat([p.minv for p in parts]),
                        f"{w.source}->q4", symmetric=True)  # fmt: skip
+
+
+def _symmetric_q4(rows: torch.Tensor) -> QuantWeight:
+    """``quantize_weight(rows, 4, symmetric=True)``, its two passes over the weights in the native library
+    (quant_kernels.c: the same numbers, a tenth of the time); torch's where the library is not built."""
+    n, k = rows.shape
+    try:
+        lib = native()
+    except NativeUnavailable:
+        return quantize_weight(rows, 4, symmetric=True)
+    rows = rows.to(torch.float32).contiguous()
+    big = torch.empty(n, k // 32)
+    lib.selfspec_low_bit_big(n, k, rows.data_ptr(), big.data_ptr())
+    d = (big / -8).to(torch.float16).to(torch.float32)  # a half: the interleaved copy keeps 2 bytes a scale
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    lib.selfspec_low_bit_codes(n, k, rows.data_ptr(), d.data_ptr(), codes.data_ptr())
+    return QuantWeight("q4", n, k, 32, codes, d, d * -8, "int4", symmetric=True)
 
 
 # -- modules ---------------------------------------------------------------------------------------------------------

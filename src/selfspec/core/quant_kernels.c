@@ -311,3 +311,68 @@ void selfspec_rows_q8(long R, const int64_t *idx, long K, long G, const int8_t *
     for (long r = 0; r < R; r++) selfspec_rows_q8_one(idx[r], K, G, codes, scale, minv, out + r * K);
 }
 
+
+/* The 4-bit draft copies (quant.py's low_bit_copy: symmetric codes and a half scale per 32 weights, as Q4_0), made
+ * from rows of decoded weights w [n, k] (k a multiple of 32) in two passes with the scale's rounding to a half
+ * between them (in torch).  The same numbers as torch's ops on the rows (abs().argmax(), then g / d + 8 rounded half
+ * to even and clamped; tests/test_low_bit.py), which took 2 of the 3 s of the copies of a 0.5B Q8_0 model.
+ *
+ * big [n, k/32]: the weight of largest magnitude of each group (the first such; a NaN, as torch's argmax does). */
+void selfspec_low_bit_big(long n, long k, const float *w, float *big) {
+#pragma omp parallel for schedule(static) if (n * k > (1L << 18))
+    for (long r = 0; r < n; r++) {
+        for (long g = 0; g < k / 32; g++) {
+            const float *p = w + r * k + g * 32;
+#if defined(__AVX512F__)
+            const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(p)), a1 = _mm512_abs_ps(_mm512_loadu_ps(p + 16));
+            const uint32_t nan = (uint32_t)_mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q) |
+                                 (uint32_t)_mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q) << 16;
+            if (!nan) { /* the first weight of the largest magnitude (a NaN group takes the scalar loop below) */
+                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)));
+                const uint32_t at = (uint32_t)_mm512_cmp_ps_mask(a0, m, _CMP_EQ_OQ) |
+                                    (uint32_t)_mm512_cmp_ps_mask(a1, m, _CMP_EQ_OQ) << 16;
+                big[r * (k / 32) + g] = p[__builtin_ctz(at)];
+                continue;
+            }
+#endif
+            long at = 0;
+            float best = fabsf(p[0]);
+            for (long i = 1; i < 32 && !isnan(best); i++) {
+                const float a = fabsf(p[i]);
+                if (isnan(a) || a > best) best = a, at = i;
+            }
+            big[r * (k / 32) + g] = p[at];
+        }
+    }
+}
+
+/* codes [n, k/2]: byte j of a group holds code j (low nibble) and code j + 16 (high), code = clamp(round(w / d + 8),
+ * 0, 15) with d the group's scale (1 where it is 0), d [n, k/32] */
+void selfspec_low_bit_codes(long n, long k, const float *w, const float *d, uint8_t *codes) {
+#pragma omp parallel for schedule(static) if (n * k > (1L << 18))
+    for (long r = 0; r < n; r++) {
+        for (long g = 0; g < k / 32; g++) {
+            const float *p = w + r * k + g * 32;
+            const float s = d[r * (k / 32) + g] == 0.0f ? 1.0f : d[r * (k / 32) + g];
+            uint8_t *out = codes + r * (k / 2) + g * 16;
+#if defined(__AVX512F__)
+            const __m512 sv = _mm512_set1_ps(s), eight = _mm512_set1_ps(8.0f), hi = _mm512_set1_ps(15.0f);
+            __m512i c[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512 t = _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(_mm512_loadu_ps(p + 16 * h), sv),
+                                                                    eight), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                c[h] = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(t, _mm512_setzero_ps()), hi));
+            }
+            _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(_mm512_or_si512(c[0], _mm512_slli_epi32(c[1], 4))));
+#else
+            uint8_t q[32];
+            for (int i = 0; i < 32; i++) { /* roundeven: torch.round's rounding, half to even */
+                float t = __builtin_roundevenf(p[i] / s + 8.0f); /* two roundings, as torch's two ops */
+                t = t < 0.0f ? 0.0f : t;
+                q[i] = (uint8_t)(t > 15.0f ? 15.0f : t);
+            }
+            for (int j = 0; j < 16; j++) out[j] = (uint8_t)(q[j] | q[j + 16] << 4);
+#endif
+        }
+    }
+}
