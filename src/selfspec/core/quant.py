@@ -452,6 +452,8 @@ def native() -> ctypes.CDLL:
             lib.selfspec_rows_x16_compact.argtypes = [n, p, n, n, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p,
                                                       p]  # fmt: skip
             lib.selfspec_rows_x16_compact.restype = ctypes.c_int
+            lib.selfspec_x16_interleave.argtypes = [n, n, p, p, ctypes.c_uint32]
+            lib.selfspec_x16_interleave.restype = None
             lib.selfspec_low_bit_big.argtypes = [n, n, p, p]
             lib.selfspec_low_bit_big.restype = None
             lib.selfspec_low_bit_codes.argtypes = [n, n, p, p, p]
@@ -865,14 +867,21 @@ def pack_x16(w: QuantWeight, lasting: bool = False) -> tuple[torch.Tensor, torch
         (n // 16, groups, COMPACT_BYTES[bits]) if compact else (n // 16, groups, j, 16, 4), np.uint8)
     # a few MB of rows at a time: the copy of a 150k-row head (130 MB) never holds a whole temporary beside it
     step = max(1, (4 << 20) // max(1, 16 * groups * j * 4))
+    try:
+        lib = None if compact else native()
+    except NativeUnavailable:
+        lib = None
     for b in range(0, n // 16, step):
         if compact:
             codes[b : b + step] = _compact_blocks(raw[b : b + step].view(np.int8), bits, w.minv is not None)
             continue
-        block = raw[b : b + step] if w.fmt == "q4" else raw[b : b + step] ^ np.uint8(0x80)
-        # a row's 4 bytes of a word move together: transposed as one 32-bit unit (4x fewer, faster elements)
-        words = np.ascontiguousarray(block).view(np.uint32).reshape(block.shape[:4])
-        codes[b : b + step] = words.transpose(0, 2, 3, 1)[..., None].view(np.uint8)
+        block = raw[b : b + step]
+        if lib is not None:  # a row's 4 bytes of a word move together, in one native pass
+            src, dst = np.ascontiguousarray(block), codes[b : b + step]
+            lib.selfspec_x16_interleave(len(src), groups * j, src.ctypes.data, dst.ctypes.data,
+                                        0 if w.fmt == "q4" else 0x80808080)  # fmt: skip
+            continue
+        codes[b : b + step] = (block if w.fmt == "q4" else block ^ np.uint8(0x80)).transpose(0, 2, 3, 1, 4)
     scale = w.scale.numpy().reshape(n // 16, 16, groups)
     sym = w.minv is None or (w.fmt == "q4" and w.symmetric)  # symmetric: the kernel computes -2^(bits-1) * scale
     minv = None if sym else w.minv.numpy().reshape(n // 16, 16, groups)
