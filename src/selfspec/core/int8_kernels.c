@@ -277,18 +277,46 @@ void selfspec_rows_q4_one(long n, long K, const uint8_t *codes, const float *sca
 void selfspec_rows_q8_one(long n, long K, long G, const int8_t *codes, const float *scale, const float *minv,
                           float *out); /* quant_kernels.c: a row form's row decoded */
 
-/* out [R, K] = the rows idx[0..R) of a weight whose row form was released, decoded from its interleaved copy of
- * byte (q8: code + 128) or nibble (q4: the row form's bytes) codes with fp32 or half tables (half_tables), bit for
- * bit as selfspec_rows_q4 / _q8 decode the row form: each row's codes, scales and minima are gathered into a row
- * of its own and decoded by that same code.  minv NULL: q4 symmetric (minimum -8 scale), q8 without minima.  An
- * embedding lookup of a token not yet looked up (the tied tables of SmolLM2 and Gemma 3): ~2 us, where gathering
- * with numpy took 40-50 us.  Returns 0, or -1 (out untouched) where its scratch could not be had. */
-int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const uint8_t *codes, const void *scale,
-                      const void *minv, int half_tables, float *out) {
-    const long groups = K / G, J = q4 ? 4 : G / 4, row_bytes = q4 ? K / 2 : K;
-    const int SK = half_tables ? 1 : 0;
-    const long table_bytes = SCALE_BLOCK_BYTES(SK, groups, K);
-    uint8_t *row = malloc((size_t)row_bytes);
+/* Group g of row i of block `block` of an interleaved copy as the row form holds it, at row: nibbles (BITS 4) or
+ * bytes (8: code + 128 back to the code) as they lie, the compact forms' 5- and 6-bit codes (BITS 5, G 32: Q5_0,
+ * Q5_1, Q5_K; BITS 6, G 16: Q6_K) as signed bytes (u, less 2^(BITS-1) where the form stores no minima) */
+static void gather_group(int bits, long G, int minima, const uint8_t *codes, long block, long groups, long g, int i,
+                         uint8_t *row) {
+    if (bits == 4 || bits == 8) {
+        const long J = bits == 4 ? 4 : G / 4;
+        const uint8_t *src = codes + ((block * groups + g) * J * 16 + i) * 4;
+        for (long j = 0; j < J; j++)
+            for (int b = 0; b < 4; b++) {
+                const uint8_t c = src[j * 64 + b];
+                row[(g * J + j) * 4 + b] = bits == 4 ? c : (uint8_t)(c ^ 0x80);
+            }
+        return;
+    }
+    const long J = bits == 5 ? 4 : 2; /* 64-byte words of nibbles; then one of high bits */
+    const int off = minima ? 0 : 1 << (bits - 1), per = bits - 4;
+    const uint8_t *c = codes + (block * groups + g) * GROUP_BYTES(bits, G);
+    uint8_t u[32];
+    for (long j = 0; j < J; j++)
+        for (int b = 0; b < 4; b++) {
+            const uint8_t v = c[64 * j + 4 * i + b];
+            u[4 * j + b] = v & 15;
+            u[G / 2 + 4 * j + b] = v >> 4;
+        }
+    for (int b = 0; b < 4; b++) {
+        const uint8_t h = c[64 * J + 4 * i + b];
+        for (long j = 0; j < G / 4; j++) u[4 * j + b] |= (uint8_t)(((h >> (per * j)) & ((1 << per) - 1)) << 4);
+    }
+    for (long k = 0; k < G; k++) row[g * G + k] = (uint8_t)(int8_t)(u[k] - off);
+}
+
+/* out [R, K] = the rows idx[0..R) of a weight whose row form was released, decoded from its interleaved copy (BITS
+ * 4, 8, 5 or 6, tables of kind sk: fp32, halves or sub-scales) bit for bit as selfspec_rows_q4 / _q8 decode the row
+ * form: each row's codes, scales and minima are gathered into a row of its own and decoded by that same code.
+ * minv NULL: q4 symmetric (minimum -8 scale), the other forms without minima. */
+static int rows_x16(long R, const int64_t *idx, long K, long G, int bits, int sk, const uint8_t *codes,
+                    const void *scale, const void *minv, float *out) {
+    const long groups = K / G, table_bytes = SCALE_BLOCK_BYTES(sk, groups, K);
+    uint8_t *row = malloc((size_t)(bits == 4 ? K / 2 : K));
     float *sc = malloc(2 * (size_t)groups * sizeof(float));
     if (!row || !sc) {
         free(row);
@@ -302,16 +330,11 @@ int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const 
         const char *st = (const char *)scale + block * table_bytes;
         const char *mt = minv ? (const char *)minv + block * table_bytes : 0;
         for (long g = 0; g < groups; g++) {
-            const uint8_t *src = codes + ((block * groups + g) * J * 16 + i) * 4;
-            for (long j = 0; j < J; j++)
-                for (int b = 0; b < 4; b++) {
-                    const uint8_t c = src[j * 64 + b];
-                    row[(g * J + j) * 4 + b] = q4 ? c : (uint8_t)(c ^ 0x80);
-                }
-            sc[g] = scale_at(st, g, i, SK, groups, G);
-            mn[g] = mt ? scale_at(mt, g, i, SK, groups, G) : (q4 ? sc[g] * -8.0f : 0.0f);
+            gather_group(bits, G, minv != 0, codes, block, groups, g, i, row);
+            sc[g] = scale_at(st, g, i, sk, groups, G);
+            mn[g] = mt ? scale_at(mt, g, i, sk, groups, G) : (bits == 4 ? sc[g] * -8.0f : 0.0f);
         }
-        if (q4)
+        if (bits == 4)
             selfspec_rows_q4_one(0, K, row, sc, mn, out + r * K);
         else
             selfspec_rows_q8_one(0, K, G, (const int8_t *)row, sc, minv ? mn : 0, out + r * K);
@@ -321,53 +344,20 @@ int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const 
     return 0;
 }
 
-/* The same for a copy in the compact forms of 5- and 6-bit codes (BITS 5, G 32: Q5_0, Q5_1, Q5_K; BITS 6, G 16:
- * Q6_K), tables of kind sk (fp32, halves or sub-scales), with (minima) or without stored minima: each row's codes
- * gathered as the row form's signed bytes (u, less 2^(BITS-1) where the form stores no minima) beside its scales
- * and minima, then decoded by the row form's own code, bit for bit as quant.py's row_slices and rows decode them
- * (numpy: 12 ns a weight, what made the 4-bit draft copies of a Q4_K_M file's 5- and 6-bit tensors take 2 s of
- * 3.4 on a 0.5B model).  Returns 0, -1 (out untouched) without scratch, -2 for another form. */
-int selfspec_rows_x16_compact(long R, const int64_t *idx, long K, long G, int bits, int sk, int minima,
-                              const uint8_t *codes, const void *scale, const void *minv, float *out) {
+/* The rows of a byte (q8: code + 128) or nibble (q4: the row form's bytes) copy with fp32 or half tables
+ * (half_tables).  An embedding lookup of a token not yet looked up (the tied tables of SmolLM2 and Gemma 3): ~2 us,
+ * where gathering with numpy took 40-50 us.  Returns 0, or -1 (out untouched) where its scratch could not be had. */
+int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const uint8_t *codes, const void *scale,
+                      const void *minv, int half_tables, float *out) {
+    return rows_x16(R, idx, K, G, q4 ? 4 : 8, half_tables ? 1 : 0, codes, scale, minv, out);
+}
+
+/* The same for a compact 5- or 6-bit copy (numpy took 12 ns a weight: 2 s of the 3.4 that the 4-bit draft copies of
+ * a 0.5B Q4_K_M file's 5- and 6-bit tensors took).  Returns 0, -1 without scratch, -2 for another form. */
+int selfspec_rows_x16_compact(long R, const int64_t *idx, long K, long G, int bits, int sk, const uint8_t *codes,
+                              const void *scale, const void *minv, float *out) {
     if (!((bits == 5 && G == 32) || (bits == 6 && G == 16)) || sk < 0 || sk > 2) return -2;
-    const long groups = K / G, group_bytes = GROUP_BYTES(bits, G), J = bits == 5 ? 4 : 2;
-    const int off = minima ? 0 : 1 << (bits - 1), per = bits - 4;
-    const long table_bytes = SCALE_BLOCK_BYTES(sk, groups, K);
-    int8_t *row = malloc((size_t)K);
-    float *sc = malloc(2 * (size_t)groups * sizeof(float));
-    if (!row || !sc) {
-        free(row);
-        free(sc);
-        return -1;
-    }
-    float *mn = sc + groups;
-    for (long r = 0; r < R; r++) {
-        const long block = idx[r] / 16;
-        const int i = (int)(idx[r] % 16);
-        const char *st = (const char *)scale + block * table_bytes;
-        const char *mt = minima ? (const char *)minv + block * table_bytes : 0;
-        for (long g = 0; g < groups; g++) {
-            const uint8_t *c = codes + (block * groups + g) * group_bytes;
-            uint8_t u[32];
-            for (long j = 0; j < J; j++)
-                for (int b = 0; b < 4; b++) {
-                    const uint8_t v = c[64 * j + 4 * i + b];
-                    u[4 * j + b] = v & 15;
-                    u[G / 2 + 4 * j + b] = v >> 4;
-                }
-            for (int b = 0; b < 4; b++) {
-                const uint8_t h = c[64 * J + 4 * i + b];
-                for (long j = 0; j < G / 4; j++) u[4 * j + b] |= (uint8_t)(((h >> (per * j)) & ((1 << per) - 1)) << 4);
-            }
-            for (long k = 0; k < G; k++) row[g * G + k] = (int8_t)(u[k] - off);
-            sc[g] = scale_at(st, g, i, sk, groups, G);
-            mn[g] = mt ? scale_at(mt, g, i, sk, groups, G) : 0.0f;
-        }
-        selfspec_rows_q8_one(0, K, G, row, sc, minima ? mn : 0, out + r * K);
-    }
-    free(row);
-    free(sc);
-    return 0;
+    return rows_x16(R, idx, K, G, bits, sk, codes, scale, minv, out);
 }
 
 /* Small loops of a constant count (words of a group, rows of a run) unrolled whole, so that their arrays of vectors

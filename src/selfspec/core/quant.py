@@ -449,8 +449,7 @@ def native() -> ctypes.CDLL:
             lib.selfspec_set_int8_split.argtypes = [n]
             lib.selfspec_set_int8_split.restype = None
             lib.selfspec_int8_split.restype = n
-            lib.selfspec_rows_x16_compact.argtypes = [n, p, n, n, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p,
-                                                      p]  # fmt: skip
+            lib.selfspec_rows_x16_compact.argtypes = [n, p, n, n, ctypes.c_int, ctypes.c_int, p, p, p, p]
             lib.selfspec_rows_x16_compact.restype = ctypes.c_int
             lib.selfspec_x16_interleave.argtypes = [n, n, p, p, ctypes.c_uint32]
             lib.selfspec_x16_interleave.restype = None
@@ -819,8 +818,8 @@ class QuantWeight:
             codes, scale, minv = self.__dict__["_x16"]
             sk = 2 if scale.dtype == torch.uint8 else 1 if scale.dtype == torch.float16 else 0
             if lib.selfspec_rows_x16_compact(len(idx), idx.data_ptr(), self.in_features, self.group, self.x16_bits,
-                                             sk, int(minv is not None), codes.data_ptr(), scale.data_ptr(),
-                                             _ptr(minv), out.data_ptr()) == 0:  # fmt: skip
+                                             sk, codes.data_ptr(), scale.data_ptr(), _ptr(minv),
+                                             out.data_ptr()) == 0:  # fmt: skip
                 return out
         if self._released:  # decode the gathered rows as rows 0..R-1 of their own table
             codes, scale, minv = self.row_slices(idx)
