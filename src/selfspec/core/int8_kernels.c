@@ -310,11 +310,19 @@ static void gather_group(int bits, long G, int minima, const uint8_t *codes, lon
 }
 
 /* out [R, K] = the rows idx[0..R) of a weight whose row form was released, decoded from its interleaved copy (BITS
- * 4, 8, 5 or 6, tables of kind sk: fp32, halves or sub-scales) bit for bit as selfspec_rows_q4 / _q8 decode the row
- * form: each row's codes, scales and minima are gathered into a row of its own and decoded by that same code.
- * minv NULL: q4 symmetric (minimum -8 scale), the other forms without minima. */
-static int rows_x16(long R, const int64_t *idx, long K, long G, int bits, int sk, const uint8_t *codes,
-                    const void *scale, const void *minv, float *out) {
+ * 4: nibbles, 8: bytes, 5 or 6: the compact forms; tables of kind sk: fp32, halves or sub-scales) bit for bit as
+ * selfspec_rows_q4 / _q8 decode the row form: each row's codes, scales and minima are gathered into a row of its own
+ * and decoded by that same code.  minv NULL: q4 symmetric (minimum -8 scale), the other forms without minima.  An
+ * embedding lookup of a token not yet looked up (the tied tables of SmolLM2 and Gemma 3): ~2 us, where gathering
+ * with numpy took 40-50 us; the compact forms' rows took numpy 12 ns a weight (2 s of the 3.4 that the 4-bit draft
+ * copies of a 0.5B Q4_K_M file's 5- and 6-bit tensors took).  Returns 0, -1 (out untouched) where its scratch could
+ * not be had, -2 for a form it does not take: byte or nibble codes with sub-scales, a q8 copy's minima (its table
+ * holds m - 128 d), the 2-, 3-bit and IQ4 forms. */
+int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int bits, int sk, const uint8_t *codes,
+                      const void *scale, const void *minv, float *out) {
+    const int takes = bits == 4 || bits == 8 ? sk < 2 && (bits == 4 || !minv)
+                                             : (bits == 5 && G == 32) || (bits == 6 && G == 16);
+    if (!takes || sk < 0 || sk > 2) return -2;
     const long groups = K / G, table_bytes = SCALE_BLOCK_BYTES(sk, groups, K);
     uint8_t *row = malloc((size_t)(bits == 4 ? K / 2 : K));
     float *sc = malloc(2 * (size_t)groups * sizeof(float));
@@ -342,22 +350,6 @@ static int rows_x16(long R, const int64_t *idx, long K, long G, int bits, int sk
     free(row);
     free(sc);
     return 0;
-}
-
-/* The rows of a byte (q8: code + 128) or nibble (q4: the row form's bytes) copy with fp32 or half tables
- * (half_tables).  An embedding lookup of a token not yet looked up (the tied tables of SmolLM2 and Gemma 3): ~2 us,
- * where gathering with numpy took 40-50 us.  Returns 0, or -1 (out untouched) where its scratch could not be had. */
-int selfspec_rows_x16(long R, const int64_t *idx, long K, long G, int q4, const uint8_t *codes, const void *scale,
-                      const void *minv, int half_tables, float *out) {
-    return rows_x16(R, idx, K, G, q4 ? 4 : 8, half_tables ? 1 : 0, codes, scale, minv, out);
-}
-
-/* The same for a compact 5- or 6-bit copy (numpy took 12 ns a weight: 2 s of the 3.4 that the 4-bit draft copies of
- * a 0.5B Q4_K_M file's 5- and 6-bit tensors took).  Returns 0, -1 without scratch, -2 for another form. */
-int selfspec_rows_x16_compact(long R, const int64_t *idx, long K, long G, int bits, int sk, const uint8_t *codes,
-                              const void *scale, const void *minv, float *out) {
-    if (!((bits == 5 && G == 32) || (bits == 6 && G == 16)) || sk < 0 || sk > 2) return -2;
-    return rows_x16(R, idx, K, G, bits, sk, codes, scale, minv, out);
 }
 
 /* Small loops of a constant count (words of a group, rows of a run) unrolled whole, so that their arrays of vectors

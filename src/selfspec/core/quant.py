@@ -421,7 +421,7 @@ def native() -> ctypes.CDLL:
             lib.selfspec_linear_q8.argtypes = [n, n, n, n, p, p, p, p, p]
             lib.selfspec_rows_q4.argtypes = [n, p, n, p, p, p, p]
             lib.selfspec_rows_q8.argtypes = [n, p, n, n, p, p, p, p]
-            lib.selfspec_rows_x16.argtypes = [n, p, n, n, ctypes.c_int, p, p, p, ctypes.c_int, p]
+            lib.selfspec_rows_x16.argtypes = [n, p, n, n, ctypes.c_int, ctypes.c_int, p, p, p, p]
             lib.selfspec_rows_x16.restype = ctypes.c_int
             for f in (lib.selfspec_linear_q4, lib.selfspec_linear_q8, lib.selfspec_rows_q4, lib.selfspec_rows_q8):
                 f.restype = None
@@ -449,8 +449,6 @@ def native() -> ctypes.CDLL:
             lib.selfspec_set_int8_split.argtypes = [n]
             lib.selfspec_set_int8_split.restype = None
             lib.selfspec_int8_split.restype = n
-            lib.selfspec_rows_x16_compact.argtypes = [n, p, n, n, ctypes.c_int, ctypes.c_int, p, p, p, p]
-            lib.selfspec_rows_x16_compact.restype = ctypes.c_int
             lib.selfspec_x16_interleave.argtypes = [n, n, p, p, ctypes.c_uint32]
             lib.selfspec_x16_interleave.restype = None
             lib.selfspec_low_bit_big.argtypes = [n, n, p, p]
@@ -807,20 +805,12 @@ class QuantWeight:
             raise IndexError(f"row index out of range for a weight of {self.out_features} rows")
         out = torch.empty(len(idx), self.in_features, dtype=torch.float32)
         lib = native()
-        if self._released and self.x16_bits in (4, 8):  # byte or nibble codes: decoded from the copy in place
-            codes, scale, minv = self.__dict__["_x16"]
-            if (scale.dtype != torch.uint8 and (minv is None or self.fmt == "q4")  # (no sub-scales, q8 minima)
-                    and lib.selfspec_rows_x16(len(idx), idx.data_ptr(), self.in_features, self.group,
-                                              int(self.fmt == "q4"), codes.data_ptr(), scale.data_ptr(), _ptr(minv),
-                                              int(scale.dtype == torch.float16), out.data_ptr()) == 0):  # fmt: skip
-                return out  # (-1: no scratch memory; the gathered rows below)
-        if self._released and self.x16_bits in (5, 6):  # compact 5- and 6-bit codes: likewise
+        if self._released and self.x16_bits in (4, 5, 6, 8):  # nibble, byte, compact codes: decoded in place
             codes, scale, minv = self.__dict__["_x16"]
             sk = 2 if scale.dtype == torch.uint8 else 1 if scale.dtype == torch.float16 else 0
-            if lib.selfspec_rows_x16_compact(len(idx), idx.data_ptr(), self.in_features, self.group, self.x16_bits,
-                                             sk, codes.data_ptr(), scale.data_ptr(), _ptr(minv),
-                                             out.data_ptr()) == 0:  # fmt: skip
-                return out
+            if lib.selfspec_rows_x16(len(idx), idx.data_ptr(), self.in_features, self.group, self.x16_bits, sk,
+                                     codes.data_ptr(), scale.data_ptr(), _ptr(minv), out.data_ptr()) == 0:
+                return out  # (-1: no scratch memory; -2: a form the native code leaves to the gathered rows below)
         if self._released:  # decode the gathered rows as rows 0..R-1 of their own table
             codes, scale, minv = self.row_slices(idx)
             idx = torch.arange(len(idx))
