@@ -65,6 +65,36 @@ def test_best_precision_needs_agreement_and_a_real_saving():
     assert _profile(drafts={"same": same, "bfloat16": barely}).best_precision() == "same"
 
 
+def test_draft_vocabulary_coverage_caps_every_precisions_agreement():
+    """A draft cannot propose a token its draft vocabulary lacks: chains that skip nothing are priced with the
+    measured agreement times the coverage, so that a cheaper copy that agrees less is not out-priced by drafts in
+    the model's own weights priced as never missing (Qwen2.5-Coder 0.5B Q8_0: predicted 1.28x, decoded 1.12x)."""
+    same, q4 = DraftCosts(0.4, 0.6, 2.0, 1.0), DraftCosts(0.2, 0.3, 2.0, 0.9)
+    full = _profile(drafts={"same": same, "q4": q4})
+    held = dataclasses.replace(full, coverage=0.95)
+    assert held.agreement("same") == pytest.approx(0.95) and held.agreement("q4") == pytest.approx(0.855)
+    assert held.chain_speedup("same", True) < full.chain_speedup("same", True)
+    assert CostProfile.from_dict(held.to_dict()) == held
+    # an older profile (no coverage) reads as a draft vocabulary that holds every token
+    old = {k: v for k, v in held.to_dict().items() if k != "coverage"} | {"version": 11}
+    assert CostProfile.from_dict(old).agreement("same") == 1.0
+
+
+def test_vocab_coverage_counts_the_tokens_held_when_they_came():
+    """The base rows and every token of the text read before a position are held; the full model's token at a
+    position is counted against what the draft vocabulary held then (the text's first reading only)."""
+    from types import SimpleNamespace
+
+    from selfspec.cost import costs
+
+    dv = SimpleNamespace(ids=torch.tensor([0, 1, 2, 99]), base_size=3)
+    model = SimpleNamespace(engine=SimpleNamespace(draft_vocab=dv), adapter=SimpleNamespace(vocab_size=100),
+                            tokenizer=lambda text: {"input_ids": [10, 11, 12, 13]})  # fmt: skip
+    # next tokens: 1 (base), 10 (read at position 0), 50 (never held), 99 (learned, not base: not counted)
+    assert costs._vocab_coverage(model, torch.tensor([1, 10, 50, 99, 7, 7])) == pytest.approx(2 / 4)
+    assert costs._vocab_coverage(SimpleNamespace(engine=SimpleNamespace(draft_vocab=None)), torch.tensor([3])) == 1.0
+
+
 def test_isotonic_fit():
     assert _non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert _non_decreasing([5.0, 1.0, 1.0]) == pytest.approx([7 / 3] * 3)
@@ -106,6 +136,33 @@ def test_costs_measured_on_a_busy_machine_are_not_saved(monkeypatch, capsys, spr
     assert ("busy" in capsys.readouterr().err) != saved
     path.unlink(missing_ok=True)
     costs._MEMORY.pop(costs.profile_key(model), None)
+
+
+@pytest.mark.real_clock
+def test_a_cached_profile_of_an_older_version_is_measured_again(monkeypatch):
+    """Version 12 times draft passes as rounds run them (a verification, then drafts in a row); a cached profile
+    timed otherwise (a 4-bit copy priced at 15.9 ms where rounds took 11) is measured again, the current one read."""
+    import json
+    from dataclasses import replace
+
+    from selfspec.cost import costs
+
+    model = tiny_model("llama", seed=4)
+    key = costs.profile_key(model)
+    path = costs._profile_dir() / f"{key}.json"
+    measured = []
+    fake = _profile(drafts={name: DraftCosts(0.5, 1.0, 2.0, 1.0) for name in costs.draft_precisions(model)})
+    monkeypatch.setattr(costs, "measure_profile", lambda m, key="": measured.append(1) or replace(fake, key=key))
+    try:
+        for version, again in [(11, True), (costs.PROFILE_VERSION, False)]:
+            costs._MEMORY.pop(key, None)
+            path.write_text(json.dumps(replace(fake, key=key, spread=1.01).to_dict() | {"version": version}))
+            measured.clear()
+            prof = costs.cost_profile(model)
+            assert bool(measured) == again and (prof.spread == 1.0) == again
+    finally:
+        path.unlink(missing_ok=True)
+        costs._MEMORY.pop(key, None)
 
 
 def test_calibration_learns_from_outcomes():

@@ -25,7 +25,8 @@ The profile is cached as JSON under ``$SELFSPEC_CACHE/profiles`` keyed by the
 model, its shape, device, dtype, thread count and torch version; delete the
 file (or ``python -m selfspec.cost.costs MODEL --force``) to re-measure.  Timings
 are noisy on shared machines: every figure is the lower quartile of repeated,
-interleaved runs, and ``forward_ms`` is made non-decreasing in T.
+interleaved runs, and ``forward_ms`` is made non-decreasing in T.  Draft passes are timed as a round makes
+them, a few in a row after a verification (what the caches hold shifts a short pass by milliseconds).
 """
 
 from __future__ import annotations
@@ -52,20 +53,24 @@ from ..io import atomic_write_text, cache_dir
 # 7: query heads of one key/value head attended together; 8: sublayer costs from draft passes only; 9: head_ms
 # (a version 8 profile is still read: its head costs are derived, CostProfile.head); 10: the low-bit draft "q4"
 # (an older profile of a model that has low-bit drafts is measured again: it lacks their costs); 11: prompt_ms (an
-# older profile is still read: a prompt's cost is then extrapolated from the 64-row pass)
-PROFILE_VERSION = 11
-READABLE_VERSIONS = (8, 9, 10, 11)
+# older profile is still read: a prompt's cost is then extrapolated from the 64-row pass); 12: draft passes timed in
+# runs after a verification (_draft_run_ms; a cached profile of an older version is measured again, a given one read)
+PROFILE_VERSION = 12
+READABLE_VERSIONS = (8, 9, 10, 11, 12)
 PROMPT_ROWS = 256  # tokens of the timed prompt pass (prompt_ms)
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
-HEAD_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of the head-only timings (a round's nodes: max_draft + 1 at most)
+HEAD_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
+DRAFT_RUN = 3  # draft passes timed in a row, right after a verification over DRAFT_AFTER rows: a round's drafts
+DRAFT_AFTER = 4  # rows of the head-only timings (a round's nodes: max_draft + 1 at most)
 # q4: the fused stack's 4-bit copies of a quantised model's 8-bit layer weights (core/quant.py, LOW_BIT_DRAFT)
 PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "q4": LOW_BIT_DRAFT}
 # "auto"'s draft precision is priced (CostProfile.best_precision): a precision agreeing with the full model on fewer
 # greedy tokens than this is taken as broken (a half-precision pass that overflowed agrees on about half)
 MIN_AGREEMENT = 0.7
 # ... and one other than the model's own (copies of its weights, memory) must be predicted this much faster: a
-# 4-bit copy of Qwen2.5-Coder 0.5B's Q8_0 weights (87.5% agreement, a draft step 0.63 of one in its own weights) is
-# predicted 7% faster than head-only rounds in its own weights, and ran 1.34x vanilla against their 1.14x (6 prompts)
+# 4-bit copy of Qwen2.5-Coder 0.5B's Q8_0 weights (87.5% agreement, a draft step 0.63 of one in its own weights,
+# its draft vocabulary holding 96.5% of the tokens) is predicted 9% faster than head-only rounds in its own weights,
+# and ran 1.33x vanilla against their 1.09x (30 Spec-Bench prompts, prefill included)
 PRECISION_MARGIN = 0.05
 
 # A neutral text for the agreement check (any tokenizer can encode it).
@@ -96,6 +101,7 @@ class CostProfile:
     spread: float = 1.0  # median upper / lower quartile of the full passes' timings (past BUSY_SPREAD: busy)
     others: float = 0.0  # cores' worth of our CPUs other work took while measuring (past BUSY_OTHERS: busy)
     prompt_ms: dict[int, float] = field(default_factory=dict)  # T -> ms of a prompt's pass over T tokens (may be empty)
+    coverage: float = 1.0  # share of the full model's tokens its draft vocabulary held (_vocab_coverage; 1: none)
 
     def forward(self, tokens: int) -> float:
         """ms of a full-model pass over ``tokens`` new tokens (linear interpolation, extrapolated past 64).
@@ -192,13 +198,19 @@ class CostProfile:
         """Predicted speedup of drafting chains that skip nothing in ``precision``, at their best length, each
         token kept with the precision's measured agreement; ``head_only``: verified by the full head alone."""
         step = self.draft_step(_NOTHING, precision)
-        a = min(self.drafts[precision].agreement, 0.99)
+        a = min(self.agreement(precision), 0.99)
         best = 0.0
         for k in range(1, max_draft + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)
             cost = k * step + self.verification(k + 1, step if head_only else None)
             best = max(best, tokens * self.forward(1) / cost)
         return best
+
+    def agreement(self, precision: str = "same") -> float:
+        """The share of tokens a draft in ``precision`` that skips nothing is predicted to agree with the full model
+        on: its measured greedy agreement, times the draft vocabulary's ``coverage`` (a draft cannot propose a token
+        its head lacks).  What the layer-skip policies take as the ceiling of a draft's acceptance."""
+        return self.drafts[precision].agreement * self.coverage
 
     def write(self, path: Path) -> None:
         """The profile as JSON at ``path`` (what :meth:`from_dict` reads back), written atomically."""
@@ -282,8 +294,9 @@ def cost_profile(model, *, force: bool = False, cache: bool = True) -> CostProfi
     prof = None
     if cache and not force and path.is_file():
         try:
-            prof = CostProfile.from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):
+            saved = json.loads(path.read_text())
+            prof = CostProfile.from_dict(saved) if saved.get("version") == PROFILE_VERSION else None
+        except (ValueError, KeyError, TypeError, AttributeError):
             prof = None  # stale or damaged: measure again
         if prof is not None:
             prof = fitted(prof, model)
@@ -331,12 +344,15 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     L = model.num_layers
     context = max(8, min(context, model.max_context // 2 - max(GRID)))
     text_ids = _text_ids(model, context)
+    pool = _text_ids(model, context + max(GRID))  # the timed passes' tokens: text, not random ids (the draft
+    # vocabulary learns what verifications are fed: thousands of random ids would grow the draft's head)
+    vocab_before = engine.draft_vocab.learned() if engine.draft_vocab is not None else None
     cache = engine.new_cache(context + max(GRID))
     hidden: list[torch.Tensor] = []  # the text's final hidden states: the head's timed input
     full_top = _top_tokens(engine, cache, text_ids, hidden_out=hidden)
     cache.commit(context)
-    vocab = model.adapter.vocab_size
     gen = random.Random(0)
+    coverage = _vocab_coverage(model, full_top)
 
     precisions = draft_precisions(model)
     agreement = {"same": 1.0}
@@ -362,17 +378,21 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
             gen.shuffle(names)  # interleaved: machine drift hits every configuration alike
             for name in names:
                 T, skip, dtype = configs[name]
-                ids = torch.tensor([gen.randrange(vocab) for _ in range(T)], device=engine.device)
-                _sync(engine.device)
-                t0 = time.perf_counter()
-                if name.startswith("H"):
-                    _head_check(engine, hidden[0][:, :T])
+                at = gen.randrange(len(pool) - T + 1)
+                ids = pool[at : at + T]
+                if "/" in name:  # a draft configuration: timed as decoding runs drafts (see DRAFT_RUN)
+                    ms = _draft_run_ms(engine, cache, ids, context, skip, dtype)
                 else:
-                    _profiled_pass(engine, cache, ids, context, verification=name.startswith("T"), skip=skip,
-                                   dtype=dtype)  # fmt: skip
-                _sync(engine.device)
+                    _sync(engine.device)
+                    t0 = time.perf_counter()
+                    if name.startswith("H"):
+                        _head_check(engine, hidden[0][:, :T])
+                    else:
+                        _verification(engine, cache, ids, context)
+                    _sync(engine.device)
+                    ms = 1000 * (time.perf_counter() - t0)
                 if rep:
-                    times[name].append(1000 * (time.perf_counter() - t0))
+                    times[name].append(ms)
         prompt = _prompt_pass_ms(model, min(PROMPT_ROWS, model.max_context // 2))
 
     def q1(name: str) -> float:
@@ -389,7 +409,10 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     # the passes' freed [T, V] logits (60-80 MB on a 152k vocabulary) given back once timed: trimming between
     # passes would make a pass pay the first touch of pages that decoding's passes find in the heap
     return_free_heap()
-    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread, round(load.cores, 3), prompt)
+    if vocab_before is not None:
+        engine.draft_vocab.restore(vocab_before)  # the draft vocabulary as decoding left it
+    return CostProfile(key or profile_key(model), forward, drafts, L, head, spread, round(load.cores, 3), prompt,
+                       coverage)
 
 
 def _prompt_pass_ms(model, rows: int, reps: int = 3) -> dict[int, float]:
@@ -490,13 +513,22 @@ def _top_tokens(engine, cache, ids: torch.Tensor, *, chunk: int = max(HEAD_GRID)
     return torch.cat(tops)
 
 
-def _profiled_pass(engine, cache, ids: torch.Tensor, start: int, *, verification: bool, skip: SkipSet,
-                   dtype: torch.dtype | None) -> None:
-    """One timed pass of the profile: a verification (full model), or a one-token draft pass."""
-    if verification:
-        _verification(engine, cache, ids, start)
-    else:
+def _draft_run_ms(engine, cache, ids: torch.Tensor, start: int, skip: SkipSet, dtype: torch.dtype | None) -> float:
+    """Mean ms of a one-token draft pass with ``skip`` in ``dtype`` as decoding makes them: ``DRAFT_RUN`` passes in a
+    row right after a verification (untimed) over ``DRAFT_AFTER`` rows.  A pass timed alone between unrelated ones
+    is not what a round pays: what the last pass left in the caches shifts a short pass by several ms (seen on a
+    Xeon VM: a draft pass reading a few MB took 1 ms after its like, 3-4 ms after a verification, 5-6 after a 64-row
+    one), and draft copies smaller than the full weights are partly found in the cache from one draft step to the
+    next (Qwen2.5-Coder 0.5B's 4-bit copies: 11.5, 10.5, 10.2 ms after a verification, 9 ms in a long run, 13-19
+    ms timed between unrelated passes, which priced them no cheaper than the model's own weights)."""
+    after = (torch.arange(DRAFT_AFTER, device=engine.device) + ids[0]) % engine.adapter.vocab_size
+    _verification(engine, cache, after, start)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(DRAFT_RUN):
         engine.forward(cache, ids, start, skip=skip, last_only=True, precision=dtype)
+    _sync(engine.device)
+    return 1000 * (time.perf_counter() - t0) / DRAFT_RUN
 
 
 def _verification(engine, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -535,16 +567,42 @@ def _non_decreasing(values: list[float]) -> list[float]:
 
 
 def _text_ids(model, length: int) -> torch.Tensor:
+    """``length`` tokens: the neutral text (:func:`_text_tokens`) repeated."""
+    ids = _text_tokens(model)
+    ids = (ids * (length // len(ids) + 1))[:length]
+    return torch.tensor(ids, dtype=torch.long, device=model.engine.device)
+
+
+def _text_tokens(model) -> list[int]:
+    """The neutral text's token ids, once (a fixed pattern where the tokenizer cannot encode it)."""
     try:
         ids = list(model.tokenizer(_TEXT)["input_ids"])
     except Exception:  # a tokenizer that cannot encode plain text: fall back to a fixed token pattern
         ids = []
     vocab = model.adapter.vocab_size
     ids = [i for i in ids if 0 <= i < vocab]  # (a tokenizer larger than the model's embedding)
-    if not ids:
-        ids = [(i * 7919) % vocab for i in range(64)]
-    ids = (ids * (length // len(ids) + 1))[:length]
-    return torch.tensor(ids, dtype=torch.long, device=model.engine.device)
+    return ids or [(i * 7919) % vocab for i in range(64)]
+
+
+def _vocab_coverage(model, full_top: torch.Tensor) -> float:
+    """The share of the full model's greedy tokens on the neutral text that its draft vocabulary
+    (core/draft_vocab.py) held when they came: the base rows and the text read so far, over the text's first
+    reading (1.0 without a draft vocabulary).  A draft cannot propose the others, so every draft precision agrees
+    with the full model this much less often: on Spec-Bench answers of 96 tokens (10 prompts, every category)
+    Qwen2.5-Coder 0.5B's subset held 96.5% of the tokens (this text: 96.5%), SmolLM2's 97.8% (96.6%), Gemma 3's 91.1%
+    (88.3%).  A chain of drafts that skip nothing stops at the first miss: priced as never missing, drafts in the own
+    weights of Qwen's Q8_0 requantisation were predicted 1.28x vanilla's decoding, with the coverage 1.12x, and
+    decoded 1.12x (30 Spec-Bench prompts, prefill left out)."""
+    dv = model.engine.draft_vocab
+    if dv is None:
+        return 1.0
+    text = _text_tokens(model)[: len(full_top)]
+    seen = set(dv.ids[: dv.base_size].tolist())
+    held = 0
+    for fed, nxt in zip(text, full_top.tolist(), strict=False):
+        seen.add(fed)
+        held += nxt in seen
+    return held / max(1, len(text))
 
 
 def _sync(device: torch.device) -> None:
