@@ -209,7 +209,7 @@ class CostProfile:
     def agreement(self, precision: str = "same") -> float:
         """The share of tokens a draft in ``precision`` that skips nothing is predicted to agree with the full model
         on: its measured greedy agreement, times the draft vocabulary's ``coverage`` (a draft cannot propose a token
-        its head lacks).  What the layer-skip policies take as the ceiling of a draft's acceptance."""
+        its head lacks): what :meth:`chain_speedup` prices a precision's chains with."""
         return self.drafts[precision].agreement * self.coverage
 
     def write(self, path: Path) -> None:

@@ -202,7 +202,7 @@ class SwiftPolicy:
         if prof is None:
             return False
         name = self._precision_name if self._precision_name in prof.drafts else "same"
-        return predicted_speedup(prof, SkipSet(), prof.agreement(name), name, head_only=self._head_only) > 1.0
+        return predicted_speedup(prof, SkipSet(), prof.drafts[name].agreement, name, head_only=self._head_only) > 1.0
 
     def _load(self, key: str, num_layers: int) -> SwiftState | None:
         if self.state_path is None or not self.state_path.is_file():
