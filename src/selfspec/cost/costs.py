@@ -59,9 +59,9 @@ PROFILE_VERSION = 12
 READABLE_VERSIONS = (8, 9, 10, 11, 12)
 PROMPT_ROWS = 256  # tokens of the timed prompt pass (prompt_ms)
 GRID = (*range(1, 13), 16, 20, 24, 32, 48, 64)
-HEAD_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
-DRAFT_RUN = 3  # draft passes timed in a row, right after a verification over DRAFT_AFTER rows: a round's drafts
-DRAFT_AFTER = 4  # rows of the head-only timings (a round's nodes: max_draft + 1 at most)
+HEAD_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # rows of the head-only timings (a round's nodes: max_draft + 1 at most)
+DRAFT_RUN = 3  # draft passes timed in a row (_draft_run_ms), as a round drafts them ...
+DRAFT_AFTER = 4  # ... right after a verification over this many rows
 # q4: the fused stack's 4-bit copies of a quantised model's 8-bit layer weights (core/quant.py, LOW_BIT_DRAFT)
 PRECISIONS = {"same": None, "float16": torch.float16, "bfloat16": torch.bfloat16, "q4": LOW_BIT_DRAFT}
 # "auto"'s draft precision is priced (CostProfile.best_precision): a precision agreeing with the full model on fewer
