@@ -343,10 +343,10 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
     engine = model.engine
     L = model.num_layers
     context = max(8, min(context, model.max_context // 2 - max(GRID)))
-    text_ids = _text_ids(model, context)
     pool = _text_ids(model, context + max(GRID))  # the timed passes' tokens: text, not random ids (the draft
     # vocabulary learns what verifications are fed: thousands of random ids would grow the draft's head)
     vocab_before = engine.draft_vocab.learned() if engine.draft_vocab is not None else None
+    text_ids = pool[:context]
     cache = engine.new_cache(context + max(GRID))
     hidden: list[torch.Tensor] = []  # the text's final hidden states: the head's timed input
     full_top = _top_tokens(engine, cache, text_ids, hidden_out=hidden)
@@ -378,10 +378,10 @@ def measure_profile(model, *, key: str = "", reps: int = 9, context: int = 128) 
             gen.shuffle(names)  # interleaved: machine drift hits every configuration alike
             for name in names:
                 T, skip, dtype = configs[name]
-                at = gen.randrange(len(pool) - T + 1)
+                at = gen.randrange(len(pool) - max(T, DRAFT_AFTER) + 1)
                 ids = pool[at : at + T]
                 if "/" in name:  # a draft configuration: timed as decoding runs drafts (see DRAFT_RUN)
-                    ms = _draft_run_ms(engine, cache, ids, context, skip, dtype)
+                    ms = _draft_run_ms(engine, cache, pool[at : at + DRAFT_AFTER], ids, context, skip, dtype)
                 else:
                     _sync(engine.device)
                     t0 = time.perf_counter()
@@ -513,15 +513,15 @@ def _top_tokens(engine, cache, ids: torch.Tensor, *, chunk: int = max(HEAD_GRID)
     return torch.cat(tops)
 
 
-def _draft_run_ms(engine, cache, ids: torch.Tensor, start: int, skip: SkipSet, dtype: torch.dtype | None) -> float:
-    """Mean ms of a one-token draft pass with ``skip`` in ``dtype`` as decoding makes them: ``DRAFT_RUN`` passes in a
-    row right after a verification (untimed) over ``DRAFT_AFTER`` rows.  A pass timed alone between unrelated ones
-    is not what a round pays: what the last pass left in the caches shifts a short pass by several ms (seen on a
-    Xeon VM: a draft pass reading a few MB took 1 ms after its like, 3-4 ms after a verification, 5-6 after a 64-row
-    one), and draft copies smaller than the full weights are partly found in the cache from one draft step to the
-    next (Qwen2.5-Coder 0.5B's 4-bit copies: 11.5, 10.5, 10.2 ms after a verification, 9 ms in a long run, 13-19
-    ms timed between unrelated passes, which priced them no cheaper than the model's own weights)."""
-    after = (torch.arange(DRAFT_AFTER, device=engine.device) + ids[0]) % engine.adapter.vocab_size
+def _draft_run_ms(engine, cache, after: torch.Tensor, ids: torch.Tensor, start: int, skip: SkipSet,
+                  dtype: torch.dtype | None) -> float:  # fmt: skip
+    """Mean ms of a one-token draft pass over ``ids`` with ``skip`` in ``dtype`` as decoding makes them: ``DRAFT_RUN``
+    passes in a row right after a verification (untimed) over the ``DRAFT_AFTER`` tokens ``after``. A pass timed alone
+    between unrelated ones is not what a round pays: what the last pass left in the caches shifts a short pass by
+    several ms (seen on a Xeon VM: a draft pass reading a few MB took 1 ms after its like, 3-4 ms after a verification,
+    5-6 after a 64-row one), and draft copies smaller than the full weights are partly found in the cache from one draft
+    step to the next (Qwen2.5-Coder 0.5B's 4-bit copies: 11.5, 10.5, 10.2 ms after a verification, 9 ms in a long run,
+    13-19 ms timed between unrelated passes, which priced them no cheaper than the model's own weights)."""
     _verification(engine, cache, after, start)
     _sync(engine.device)
     t0 = time.perf_counter()
