@@ -45,8 +45,11 @@ demo: install
 	$(BIN)/selfspec generate --method auto --compare --max-new-tokens 128 \
 		--prompt-file examples/code-task.txt
 
+# The statistical sampling tests (a third of the suite's time: thousands of tiny decodings on one torch thread each)
+# run on one process per core after the rest, which keeps torch's threads for the real models' tests
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not statistical"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m statistical -n auto
 
 # one command per cited run; docs/benchmarks.md "Regenerating the cited runs" lists the same commands
 LLAMA_CPP ?= $(HOME)/.cache/llama-cpp-reference/bin

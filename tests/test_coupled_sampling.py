@@ -26,7 +26,8 @@ from selfspec.core import sampling as sampling_module
 from selfspec.core.sampling import REACH, WHOLE_ROWS_MAX_VOCAB, Sampler, SamplingParams, gumbel_at, scaled_logits
 from selfspec.errors import InvalidInputError
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: conftest.one_torch_thread
+# tiny models (conftest.one_torch_thread); make test runs these apart, one process per core
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.statistical]
 
 SETTINGS = {
     "t0.7-topp0.9": {"temperature": 0.7, "top_p": 0.9},

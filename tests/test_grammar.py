@@ -117,6 +117,7 @@ def test_what_the_grammar_forces_is_drafted_for_free_and_changes_nothing(tiny_ll
 
 
 @pytest.mark.usefixtures("one_torch_thread")  # a tiny model's thousands of decodings: conftest.one_torch_thread
+@pytest.mark.statistical
 @pytest.mark.parametrize("scheme", ["rejection", "coupled"])
 def test_sampling_under_a_grammar_is_exactly_the_constrained_distribution(small_vocab, scheme):
     params = SamplingParams(1.0, scheme=scheme, grammar=grammar.regex(PATTERN))

@@ -44,7 +44,8 @@ from selfspec.drafters import hybrid, suffix
 from selfspec.errors import InvalidInputError
 from selfspec.methods import build_policies
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: conftest.one_torch_thread
+# tiny models (conftest.one_torch_thread); make test runs these apart, one process per core
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.statistical]
 
 CORRECT_P = 1e-3  # a correct method's goodness-of-fit p-value stays above this
 BROKEN_P = 1e-6  # a broken variant's falls below this
