@@ -3,7 +3,8 @@
 #   make install   create .venv/ and install torch (CPU build), the package with its test extras,
 #                  the built-in models and the offline datasets; compile the quantised kernels (gcc)
 #   make demo      the default method (auto) vs vanilla on a coding request with the default model (SmolLM2-135M-Instruct)
-#   make test      the whole test suite (tiny random models + both real built-in models)
+#   make test      the whole test suite (tiny random models + the real built-in models); the statistical
+#                  sampling tests last, one process per core
 #   make install-extra  also the built-in models installed on request (Qwen2.5-Coder-0.5B-Instruct, 491 MB),
 #                  as `selfspec models install NAME` does; their real-model tests run only where they are installed
 #   make results   rerun every benchmark that README.md and docs/ cite, into its folder under docs/results/
