@@ -326,3 +326,25 @@ def test_a_new_generation_lets_a_losing_source_explore_at_once():
     _explorations(hybrid, layerskip, history, 16 * EXPLORE_EVERY)  # backed off: waits of 32, 64, 128 by now
     hybrid.begin()
     assert _explorations(hybrid, layerskip, history, 2 * EXPLORE_EVERY + 2) == [0, 2 * EXPLORE_EVERY + 1]
+
+
+def test_ending_a_head_only_chain_early_costs_the_head_not_a_pass():
+    """Where the full head alone verifies a layer-skip chain (a draft that skips nothing), ending it early for a
+    lookup match costs the head over its rows (the draft step over the last token runs either way); where a full
+    pass verifies it, a whole step."""
+    from test_economy import _profile
+
+    from selfspec.cost.economy import Economy
+    from selfspec.drafters.hybrid import SWITCH_STEPS
+
+    profile = _profile()
+    for head_only in (True, False):
+        layerskip = DeclineToDraft()
+        layerskip.economy = Economy(profile, 10.0, head_only=head_only)
+        hybrid = HybridDrafter(PromptLookupDrafter(), layerskip)
+        switch = [hybrid._switch_steps(k) for k in (1, 4)]
+        if head_only:
+            assert switch == [profile.head(k + 1) / profile.forward(1) for k in (1, 4)]
+            assert 0 < switch[0] < switch[1] < SWITCH_STEPS
+        else:
+            assert switch == [SWITCH_STEPS, SWITCH_STEPS]

@@ -49,7 +49,7 @@ from .suffix import SuffixDrafter
 SMOOTHING = 0.2  # weight of the newest round in the layer-skip source's measured gain
 EXPLORE_EVERY = 16  # a layer-skip source that loses time still drafts once in this many rounds it could have
 MAX_BACKOFF = 8  # ... or, while its exploring rounds keep losing, in up to this many times as many
-SWITCH_STEPS = 1.0  # vanilla steps an early end of a layer-skip chain costs (its verification comes one round sooner)
+SWITCH_STEPS = 1.0  # vanilla steps an early end of a fully verified layer-skip chain costs (see _switch_steps)
 CALIBRATION_WEIGHT = 0.1  # weight of the newest lookup round in the calibration's two running sums
 CALIBRATION_PRIOR = 1.0  # both sums start here: one pseudo-round predicted as it turned out
 CALIBRATION_RANGE = (0.25, 2.0)  # the calibration's bounds
@@ -146,9 +146,20 @@ class HybridDrafter:
             gain, tokens = probe(history, drafted)
             gain *= self.lookup_calibration
             s = max(self.skip_gain, 1.0)
-            return gain > s and tokens * (1.0 / s - 1.0 / gain) >= SWITCH_STEPS
+            return gain > s and tokens * (1.0 / s - 1.0 / gain) >= self._switch_steps(len(drafted))
 
         return until
+
+    def _switch_steps(self, drafted: int) -> float:
+        """Vanilla steps that ending a layer-skip chain after ``drafted`` tokens adds: its verification, one round
+        sooner.  A full pass (``SWITCH_STEPS``) where a pass verifies the chain; where the full head alone does (a
+        draft that skips nothing, :func:`~selfspec.cost.economy.verifies_by_head`), the head over its rows, since
+        the draft step over the last drafted token runs in either case (as that verification, or as the chain's
+        next step)."""
+        econ = self.layerskip.economy
+        if econ is None or not econ.head_only:
+            return SWITCH_STEPS
+        return econ.profile.head(drafted + 1) / econ.profile.forward(1)
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip
