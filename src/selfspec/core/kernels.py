@@ -249,7 +249,8 @@ class KernelLinear(nn.Module):
         if kernel is TORCH and x.dtype == dtype == self.weight.dtype:
             # torch's own linear on the weight as it is: what prepared() would hand over, without the lookups
             # (a small model's step makes hundreds of these calls; their Python costs add up)
-            return F.linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias).reshape(*x.shape[:-1], -1)
+            y = F.linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         w, b = self.prepared(kernel, dtype)
         y = kernel.run(x.reshape(rows, x.shape[-1]).to(dtype), w, b)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
