@@ -3,8 +3,8 @@
 #   make install   create .venv/ and install torch (CPU build), the package with its test extras,
 #                  the built-in models and the offline datasets; compile the quantised kernels (gcc)
 #   make demo      the default method (auto) vs vanilla on a coding request with the default model (SmolLM2-135M-Instruct)
-#   make test      the whole test suite (tiny random models + the real built-in models); the statistical
-#                  sampling tests last, one process per core
+#   make test      the whole test suite (tiny random models + the real built-in models); the tests of threads
+#                  and real models first, then the rest on one process per core
 #   make install-extra  also the built-in models installed on request (Qwen2.5-Coder-0.5B-Instruct, 491 MB),
 #                  as `selfspec models install NAME` does; their real-model tests run only where they are installed
 #   make results   rerun every benchmark that README.md and docs/ cite, into its folder under docs/results/
@@ -46,11 +46,12 @@ demo: install
 	$(BIN)/selfspec generate --method auto --compare --max-new-tokens 128 \
 		--prompt-file examples/code-task.txt
 
-# The statistical sampling tests (a third of the suite's time: thousands of tiny decodings on one torch thread each)
-# run on one process per core after the rest, which keeps torch's threads for the real models' tests
+# First the tests marked `threads` (the native kernels' work split between threads, the real models' lossless runs),
+# in one process on every thread as a user's run takes them; then the rest (tiny models, statistical sampling tests:
+# mostly single-threaded Python) on one process per core (at most 8), each on one thread
 test: install
-	$(BIN)/python -m pytest -q -m "not statistical"
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m statistical -n auto
+	$(BIN)/python -m pytest -q -m threads
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not threads" -n auto --maxprocesses 8
 
 # one command per cited run; docs/benchmarks.md "Regenerating the cited runs" lists the same commands
 LLAMA_CPP ?= $(HOME)/.cache/llama-cpp-reference/bin

@@ -365,6 +365,19 @@ def test_skipping_nothing_is_priced_by_its_head():
     assert no_draft_head_profile(8).draft_ratio(SkipSet()) == pytest.approx(1.0), "never above a full pass"
 
 
+def test_a_drafts_extra_rows_cost_a_full_passs_unless_it_reads_fewer_weights():
+    """The simulated clock's multi-row draft passes (guessed rows riding along, S3D's blocks): the whole model
+    over a smaller head adds a full pass's cost per extra row; a draft that skips sublayers scales with its
+    one-row cost."""
+    prof = draft_head_profile(8, head_ms=0.5)
+    extra = prof.forward(3) - prof.forward(1)
+    assert extra > 0
+    assert prof.pass_ms(3, SkipSet(), draft=True) == pytest.approx(prof.pass_ms(1, SkipSet(), draft=True) + extra)
+    skip = SkipSet.of([1, 2], [3])
+    ratio = prof.draft_ratio(skip)
+    assert prof.pass_ms(3, skip) == pytest.approx(ratio * prof.forward(3))
+
+
 NO_SKIP_COS = SublayerCosine(attention=(0.9,) * 8, mlp=(0.9,) * 8)  # every skip damages: the prior says so
 
 

@@ -371,3 +371,36 @@ def test_a_long_session_keeps_only_the_newest_learned_ids():
     assert not vocab.member[500] and vocab.member[2000] and vocab.size == 150
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
     assert torch.equal(vocab.product(x), head.matmul(x)[:, vocab.ids[: vocab.size]])
+
+
+@pytest.mark.parametrize("skipped", [False, True])
+def test_guesses_riding_along_change_a_chains_passes_not_its_tokens(smollm2, skipped):
+    """``draft_round``'s ``ride``: guessed tokens as extra rows of a draft pass.  Guesses the draft then drafts
+    itself give the next tokens from the same pass (fewer passes); wrong guesses change nothing but the rows.
+    The chain is the same either way and, verified by the head alone (a draft that skips nothing), so are the
+    full model's logits of its nodes."""
+    from selfspec.core.sampling import GREEDY_SAMPLER
+    from selfspec.drafters.layerskip import FixedDraftLength, draft_round
+
+    engine = smollm2.engine
+    ids = torch.tensor(smollm2.encode("One, two, three, four, five, six, seven, eight, nine"))
+    skip = SkipSet.of([3, 7], [5]) if skipped else NO_SKIP
+
+    def chain(ride):
+        cache = engine.new_cache(len(ids) + 16)
+        engine.forward(cache, ids[:-1], 0, prefill=True)
+        out = draft_round(engine, cache, len(ids) - 1, int(ids[-1]), skip=skip, budget=9,
+                          length=FixedDraftLength(8), sampler=GREEDY_SAMPLER, ride=ride)  # fmt: skip
+        passes = out.passes if out.passes is not None else out.steps
+        return list(out.tree.tokens[1 : 1 + out.steps]), passes, out.logits
+
+    plain, passes, logits = chain(None)
+    assert len(plain) == 8 and passes == (9 if not skipped else 8)
+    right, right_passes, right_logits = chain(lambda drafted: plain[len(drafted) : len(drafted) + 3])
+    assert right == plain and right_passes == passes - 6  # 4 tokens from each of two passes
+    wrong, wrong_passes, wrong_logits = chain(lambda drafted: [t + 1 for t in plain[len(drafted) : len(drafted) + 3]])
+    assert wrong == plain and wrong_passes == passes
+    if not skipped:
+        assert torch.allclose(right_logits, logits, atol=1e-4) and torch.allclose(wrong_logits, logits, atol=1e-4)
+    else:
+        assert logits is None and right_logits is None

@@ -19,6 +19,8 @@ from selfspec.cli.main import main
 from selfspec.errors import ModelNotFoundError
 from selfspec.model import models
 
+pytestmark = pytest.mark.threads  # runs on every thread, as a user's run does (make test: first, in one process)
+
 QWEN = "qwen2.5-coder-0.5b"
 INSTALLED = models.BUILTINS[QWEN].installed()
 

@@ -16,6 +16,8 @@ import selfspec
 from selfspec.core.quant import quantize_linears
 from selfspec.core.skipset import SkipSet
 
+pytestmark = pytest.mark.threads  # runs on every thread, as a user's run does (make test: first, in one process)
+
 
 def quantised_tiny(arch: str, bits: int = 4) -> selfspec.Model:
     model = tiny_model(arch, seed=3)

@@ -20,8 +20,9 @@ import selfspec
 from selfspec.core import fused
 from selfspec.core.quant import CFLAGS, ISA_FLAGS, SOURCES, activations, int8_kernels_available, quantize_linears
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None,
-                                reason="x86-64 with gcc only")  # fmt: skip
+pytestmark = [pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None,
+                                 reason="x86-64 with gcc only"),
+              pytest.mark.threads]  # (threads: every thread, as a user's run takes; fmt: skip)
 PROMPT = 40  # below the prompt kernel's 65 rows: every pass takes the row kernels, which every build has
 
 

@@ -348,3 +348,41 @@ def test_ending_a_head_only_chain_early_costs_the_head_not_a_pass():
             assert 0 < switch[0] < switch[1] < SWITCH_STEPS
         else:
             assert switch == [SWITCH_STEPS, SWITCH_STEPS]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 3}])
+def test_lookup_guesses_ride_on_layer_skip_chains_and_keep_vanillas_tokens(tiny_llama, sampling, monkeypatch):
+    """auto's layer-skip chains carry the lookup source's guesses as extra rows of their draft passes (here the
+    lookup source never takes a round itself, and the layer-skip source drafts in every one); greedy and
+    coupled-sampled outputs stay vanilla's, and the guesses are learned (tried, kept where the draft agreed)."""
+    from selfspec.drafters import hybrid as hybrid_module
+    from selfspec.drafters.suffix import SuffixDrafter
+
+    learn, seen = HybridDrafter._learn_rides, []
+
+    def spy(self, outcome):
+        seen.extend(self._rides)
+        learn(self, outcome)
+
+    for cls in (SuffixDrafter, PromptLookupDrafter):
+        def declines(self, history, _propose=cls.propose, **kw):
+            _propose(self, history, **kw)  # (indexes the text, as each round does)
+            return None
+
+        monkeypatch.setattr(cls, "propose", declines)
+    monkeypatch.setattr(HybridDrafter, "_learn_rides", spy)
+    monkeypatch.setattr(hybrid_module, "PAYS", 0.0)
+    base = selfspec.generate(tiny_llama, PROMPT * 2, "vanilla", max_new_tokens=64, **sampling)
+    session = selfspec.Session(tiny_llama, "auto", layerskip="swift", schedule="paper", tree=False, draft_dtype="same")
+    for _ in range(2):
+        out = session.generate(PROMPT * 2, max_new_tokens=64, **sampling)
+        assert out.token_ids == base.token_ids
+    assert seen, "no guess rode along"
+    tried = session.draft_policy._ride_seen
+    assert sum(n for n, _ in tried.values()) >= len(seen) > 0
+    assert all(0 <= kept <= n for n, kept in tried.values()) and any(kept for _, kept in tried.values())
+    seen.clear()  # ride=false: one token a pass, the same tokens
+    alone = selfspec.Session(tiny_llama, "auto", layerskip="swift", schedule="paper", tree=False, draft_dtype="same",
+                             ride="false")  # fmt: skip
+    assert alone.generate(PROMPT * 2, max_new_tokens=64, **sampling).token_ids == base.token_ids
+    assert not seen and not alone.draft_policy._ride_seen

@@ -10,6 +10,8 @@ import torch
 
 from selfspec.core import native_thread
 
+pytestmark = pytest.mark.threads  # runs on every thread, as a user's run does (make test: first, in one process)
+
 VAR: contextvars.ContextVar[str] = contextvars.ContextVar("test_native_thread", default="unset")
 
 

@@ -10,6 +10,8 @@ from test_fused import quantised_tiny
 from selfspec.core import native_thread, native_tuning, quant
 from selfspec.core.native_tuning import tune
 
+pytestmark = pytest.mark.threads  # runs on every thread, as a user's run does (make test: first, in one process)
+
 
 def _fake_timer(ms_of: dict[int, float], state: dict):
     def apply(value: int) -> None:

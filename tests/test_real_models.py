@@ -13,7 +13,7 @@ import selfspec
 from selfspec.core.quant import activations
 from selfspec.datasets import load_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.threads]  # (threads: as a user's run does)
 
 NEW = 48
 

@@ -173,15 +173,15 @@ def _swift_drafter(opts: dict[str, Any]) -> Drafter:
     else:
         length = CostAwareExit(max_draft=int(opts.get("max_draft", 16)))
     tree = None
-    if _flag(opts.get("tree", True)):
+    if _flag(opts.get("tree", True), "tree"):
         tree = PaperTreeWidths() if schedule == "paper" else CostAwareTreeWidths()
     return Drafter(length, tree, str(opts.get("draft_dtype", "auto")))
 
 
-def _flag(value: Any) -> bool:
+def _flag(value: Any, name: str) -> bool:
     if isinstance(value, str):
         if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-            raise InvalidInputError(f"expected true or false, got {value!r}")
+            raise InvalidInputError(f"{name} must be true or false, got {value!r}")
         return value.lower() in ("true", "1", "yes")
     return bool(value)
 
@@ -349,7 +349,7 @@ def _auto_drafter(opts: dict[str, Any]):
 
     ngram = str(opts.get("ngram", "suffix"))
     if ngram not in ("suffix", "pld"):
-        raise ValueError(f"ngram must be 'suffix' or 'pld', got {ngram!r}")
+        raise InvalidInputError(f"ngram must be 'suffix' or 'pld', got {ngram!r}")
     shared = {k: opts[k] for k in ("max_ngram", "min_ngram") if k in opts}
     lookup = _suffix_drafter(shared) if ngram == "suffix" else _pld_drafter(shared)
     source = _auto_source(opts)
@@ -359,7 +359,7 @@ def _auto_drafter(opts: dict[str, Any]):
         layerskip = METHODS[source].build_drafter(_options_of(source, opts))
     else:
         layerskip = _swift_drafter(opts)
-    return HybridDrafter(lookup, layerskip)
+    return HybridDrafter(lookup, layerskip, ride=_flag(opts.get("ride", True), "ride"))
 
 
 def default_self_draft(model: Any, opts: dict[str, Any]) -> str:
@@ -399,7 +399,7 @@ def _auto_skip(opts: dict[str, Any]):
 # our quantised models, where the lookup source usually pays more than any skip set (measured, README); at 0.03
 # the search (mostly rescoring the best set on each new prompt) was the whole of auto's gap to its n-gram source
 AUTO_SEARCH_BUDGET = 0.015
-AUTO_OWN_OPTIONS = ("layerskip", "max_ngram", "min_ngram", "ngram", "draft_dtype", "max_draft")
+AUTO_OWN_OPTIONS = ("layerskip", "max_ngram", "min_ngram", "ngram", "draft_dtype", "max_draft", "ride")
 
 METHODS["auto"] = MethodSpec(
     "auto",
@@ -416,6 +416,9 @@ METHODS["auto"] = MethodSpec(
         "max_ngram": METHODS["pld"].options["max_ngram"],
         "min_ngram": METHODS["pld"].options["min_ngram"],
         "ngram": "the n-gram source: suffix (default: trees over the text and the session's outputs) or pld",
+        "ride": "true (default): the n-gram source's guesses of what follows a self-draft chain ride along on its "
+        "draft passes as extra rows, where their chance of being kept pays for the row (greedy and coupled "
+        "chains); false: a pass drafts one token",
     },
     _auto_skip,
     _auto_drafter,

@@ -48,6 +48,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the self-draft source: ASD's automatic choice (default; lowbit where the model's "
                         "4-bit copies pay), SWIFT's search, lowbit, or vocab (the whole model, its draft "
                         "vocabulary)")
+    g.add_argument("--no-ride", dest="ride", action="store_false", default=None,
+                   help="auto: no n-gram guesses riding along on the self-draft's passes (one token a pass)")
     g.add_argument("--draft-dtype", choices=("auto", "same", "float16", "bfloat16", "q4"),
                    help="precision of the draft passes' weights (auto: the cheapest that agrees, measured; q4: "
                         "4-bit copies of a quantised model's 5-8-bit weights)")
@@ -73,7 +75,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 OPTION_NAMES = ("preset", "alpha", "m", "n", "variant", "skip_set", "max_draft", "draft_length", "gamma", "draft_dtype",
-                "max_ngram", "min_ngram", "window", "ngram_size", "guesses", "layerskip",
+                "max_ngram", "min_ngram", "window", "ngram_size", "guesses", "layerskip", "ride",
                 "adapter", "state", "context_window", "skip_ratio", "objective", "search", "bo_interval", "max_steps",
                 "patience", "score_threshold", "budget", "give_up_after", "schedule", "epsilon", "tree")  # fmt: skip
 

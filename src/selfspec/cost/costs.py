@@ -156,13 +156,22 @@ class CostProfile:
     def pass_ms(self, tokens: int, skip: SkipSet, precision: torch.dtype | None = None, *,
                 draft: bool = False, last_only: bool = False) -> float:  # fmt: skip
         """Predicted ms of any pass: a full one over ``tokens`` rows, or a draft (``draft``, a skip set or a
-        ``precision``) whose one-row cost grows with its rows as a full pass's does (the simulated clock's
-        charge).  ``last_only``: the head over the last row alone (a prompt's pass), where ``forward`` times a
+        ``precision``; the simulated clock's charge).  A draft that skips sublayers or reads lower-precision
+        copies grows with its rows as a full pass does, scaled by its one-row cost; one that is the whole model
+        over a smaller head (``draft`` alone) adds a full pass's cost per extra row (measured on the Intel VM,
+        2026-11-30, extra rows of 2 / 3 / 5: Qwen2.5-Coder 0.5B 0.85 / 1.72 / 3.52 ms against a full pass's
+        1.08 / 2.00 / 4.31, Gemma 3 0.50 / 0.71 / 1.57 against 0.38 / 0.96 / 2.53, where the scaled rule
+        gave a third of that; with half the attention sublayers skipped Gemma 3's draft added 0.01 / 0.37 /
+        0.84).  ``last_only``: the head over the last row alone (a prompt's pass), where ``forward`` times a
         verification's head over every row: a 64-row pass of Qwen2.5-Coder 0.5B spends 40 of its 138 ms there."""
         ms = self.prompt(tokens) if last_only else self.forward(tokens)
         if draft or skip.attention or skip.mlp or precision is not None:
             name = next((n for n, d in PRECISIONS.items() if d == precision and n in self.drafts), "same")
-            ms *= self.draft_step(skip, name) / self.forward(1)
+            step = self.draft_step(skip, name)
+            if skip.attention or skip.mlp or precision is not None:
+                ms *= step / self.forward(1)
+            else:
+                ms += step - self.forward(1)
         return ms
 
     def prompt(self, tokens: int) -> float:

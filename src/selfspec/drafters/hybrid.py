@@ -27,6 +27,12 @@ step is cheap next to a full one).  Each round:
    one a longer wait apart: on a Q8_0 file of Qwen2.5-Coder 0.5B, whose 4-bit copies earned 1.3x alone, one hard
    prompt left ``auto`` decoding plainly through the next ones, 5-8% behind them on MT-Bench and translation).
 
+While the layer-skip source drafts, the lookup source's guesses of what follows the chain ride along on its
+draft passes as extra rows (:func:`~selfspec.drafters.layerskip.draft_round`'s ``ride``): a guess the draft
+then drafts itself spares the chain a pass.  Each guess rides where its chance of being kept (the lookup's
+estimate for its n-gram size, corrected by how the guesses after that size have fared) pays for the row it
+adds to the pass (the cost profile's price of one more row).
+
 So a source whose drafts stop being accepted loses its gain and fades out;
 one that starts paying again is noticed (the lookup source re-prices every
 match, the layer-skip source explores every few idle rounds).  Both sources
@@ -57,6 +63,8 @@ CALIBRATION_RANGE = (0.25, 2.0)  # the calibration's bounds
 # only break even add the draft passes' variance and the round's Python for nothing (SmolLM2, whose 4-bit drafts
 # cost 0.6 of a step: gains of 0.9-1.1 per round, auto 3-8% below its n-gram source alone)
 PAYS = 1.05
+RIDE_MOST = 4  # guesses riding along on one draft pass at most
+RIDE_PRIOR = 4.0  # the lookup source's chance of a guess counts as this many guesses seen
 
 
 @dataclass
@@ -72,8 +80,10 @@ class HybridDrafter:
 
     needs_profile = True
 
-    def __init__(self, lookup: PromptLookupDrafter | SuffixDrafter, layerskip: LayerSkipDrafter) -> None:
+    def __init__(self, lookup: PromptLookupDrafter | SuffixDrafter, layerskip: LayerSkipDrafter, *,
+                 ride: bool = True) -> None:  # fmt: skip
         self.lookup, self.layerskip = lookup, layerskip
+        self.ride = ride  # the lookup source's guesses ride along on layer-skip chains' passes
         layerskip.priced = True  # its rounds' gain is judged by measured costs, not the profile's (machines drift)
         self.skip_gain = PAYS  # layer-skip rounds' measured tokens per vanilla step (1: break-even); drafts from PAYS
         # the lookup source's gains are predictions (its acceptance per n-gram size and the cost curve), the
@@ -87,6 +97,8 @@ class HybridDrafter:
         self._wait = EXPLORE_EVERY  # rounds it sits out before exploring again (doubles while exploring loses)
         self._exploring = False
         self.sources = {"lookup": SourceStats(), "layerskip": SourceStats()}
+        self._rides: list[tuple[int, list[int], int]] = []  # this round's guesses: (chain length, guesses, n)
+        self._ride_seen: dict[int, list[float]] = {}  # n -> [guesses tried, guesses the draft drafted too]
 
     # -- the Drafter protocol -------------------------------------------------------------------
     @property
@@ -130,8 +142,53 @@ class HybridDrafter:
         self._exploring = self.skip_gain < PAYS
         self._idle = 0
         self._source = "layerskip"
+        self._rides = []
+        until, ride = self._lookup_wins_after(history), self._ride_along(history) if self.ride else None
         return self.layerskip.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler,
-                                      until=self._lookup_wins_after(history))  # fmt: skip
+                                      until=until, ride=ride)  # fmt: skip
+
+    def _ride_along(self, history: Sequence[int]):
+        """The guesses riding on a layer-skip chain's passes (module docstring): after the chain drafted so far,
+        the lookup source's continuation, each guess while its chance of being kept (all before it kept too) is
+        at least what its row adds to the pass over what a kept guess spares (a draft step).  None where the
+        source cannot guess or nothing prices a pass."""
+        guess, econ = getattr(self.lookup, "guess", None), self.layerskip.economy
+        if guess is None or getattr(econ, "profile", None) is None:
+            return None
+        forward = econ.profile.forward
+        scale = 1.0 if econ.head_only else econ.draft_ms_predicted / forward(1)  # a row of the draft's pass
+
+        def ride(drafted: list[int]) -> list[int]:
+            tokens, chances, n = guess(history, drafted, RIDE_MOST)
+            tried, kept = self._ride_seen.get(n, (0.0, 0.0))
+            keep, take = 1.0, 0
+            for i, chance in enumerate(chances):
+                keep *= (kept + RIDE_PRIOR * chance) / (tried + RIDE_PRIOR)
+                if keep * econ.draft_ms < scale * (forward(i + 2) - forward(i + 1)):
+                    break
+                take = i + 1
+            if take:
+                self._rides.append((len(drafted), tokens[:take], n))
+            return tokens[:take]
+
+        return ride
+
+    def _learn_rides(self, outcome: DraftOutcome | None) -> None:
+        """How this round's guesses fared: each one reached (every guess before it drafted) is a trial, kept
+        where the chain drafted the same token."""
+        rides, self._rides = self._rides, []
+        if outcome is None or not rides:
+            return
+        chain = outcome.tree.tokens[1 : 1 + outcome.steps]
+        for at, guesses, n in rides:
+            seen = self._ride_seen.setdefault(n, [0.0, 0.0])
+            for i, tok in enumerate(guesses):
+                if at + i >= len(chain):
+                    break  # the chain ended before this guess was read
+                seen[0] += 1.0
+                if chain[at + i] != tok:
+                    break
+                seen[1] += 1.0
 
     def _lookup_wins_after(self, history: Sequence[int]):
         """A layer-skip chain's stop rule: end it where the lookup source, after the tokens drafted so far, would
@@ -170,6 +227,8 @@ class HybridDrafter:
             return
         drafter = self.lookup if source == "lookup" else self.layerskip
         drafter.observe(outcome, path, tokens=tokens, round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms)
+        if source == "layerskip":
+            self._learn_rides(outcome)
         self._source = None
         exploring, self._exploring = self._exploring, False
         if outcome is None or not outcome.steps:

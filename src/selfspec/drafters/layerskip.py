@@ -56,6 +56,10 @@ class LengthPolicy:
     def should_stop(self, drafted: int, top1_prob: float) -> bool:
         raise NotImplementedError
 
+    def room(self, drafted: int) -> int:
+        """At most how many more tokens this round's chain may draft after ``drafted``."""
+        return self.max_draft - drafted
+
     def observe(self, drafted: int, accepted: int) -> None:
         pass
 
@@ -272,7 +276,7 @@ def _draws(q: torch.Tensor, vocab: torch.Tensor | None, sampler: Sampler, k: int
     return (cols if vocab is None else vocab[cols].tolist()), probs
 
 
-# Long (~65 lines): the draft loop and its tree bookkeeping share per-depth state (q, draws, path
+# Long (~70 lines): the draft loop, its guessed rows and stop rules share per-depth state (q, draws, path
 # probability); kept in one function so that the sampling-correctness argument can be read in one place.
 @torch.inference_mode()
 def draft_round(
@@ -290,13 +294,19 @@ def draft_round(
     history: Sequence[int] = (),
     stop: Collection[int] = (),
     until: Callable[[list[int]], bool] | None = None,
+    ride: Callable[[list[int]], list[int]] | None = None,
 ) -> DraftOutcome | None:
     """Draft up to ``budget`` tokens after ``root`` (which sits at cache slot ``start``; ``history``: the
     tokens up to and including it, for the sampler).  The chain ends at a drafted token of ``stop`` (the
     model's end-of-sequence tokens): were it kept, the answer would end there, so tokens drafted after it
     could never be used (short answers drafted a full round past their end).  ``until`` (the chain's tokens
     so far -> bool) may end it sooner: ``auto`` ends a layer-skip chain where a prompt-lookup draft would now
-    earn more (a summary's text that turns to copying again).
+    earn more (a summary's text that turns to copying again).  ``ride`` (the chain's tokens so far -> guesses
+    of the tokens after them, e.g. an n-gram continuation; ``auto`` gives its lookup source's) lets guessed
+    tokens ride along as extra rows of a chain's draft pass (greedy and coupled chains only): a pass of a few
+    rows costs little more than one where a step reads the weights, and each guess the draft then drafts
+    itself gives the next draft token from the same pass (Ouroboros' phrases, from the text instead of a
+    smaller model).  The draft is the same chain with or without them; only its passes are fewer.
 
     Greedy: the chain follows the draft's argmax and the leaves are its next
     best tokens.  Coupled sampling: the same on the draft's log-weights plus
@@ -313,41 +323,81 @@ def draft_round(
     if hidden is not None:
         tree = None  # a chain: each node's full logits come from its own draft pass
     first_t = sampler.position(len(history))  # output position of the first drafted token
-    tokens, parents = [root], [-1]
-    qs: list[torch.Tensor | None] = [None]  # per node: the draft distribution its children were drawn from
-    chain_probs: list[float] = []
-    leaf_nodes: list[tuple[int, list[tuple[int, float]]]] = []  # (chain node, its extra children with their q)
-    n_leaves = 0
-    path_prob = 1.0  # P(the chain so far is kept), by the economy's calibration (1 without one)
-    while len(chain_probs) < budget:
-        parent = len(tokens) - 1
-        ids = torch.tensor([tokens[parent]], dtype=torch.long, device=device)
-        logits, vocab = engine.forward(cache, ids, start + parent, skip=skip, last_only=True, precision=precision,
-                                       subset=True, draft=True, hidden_out=hidden)  # fmt: skip
-        if broken_draft(logits[-1]):
-            if not chain_probs:
-                return None
-            break  # keep the chain drafted so far
-        q, vocab, q_full = _draft_distribution(engine, logits, vocab, sampler, history, tokens[1:])
-        extra = _leaf_count(q, tree, path_prob, len(tokens) + n_leaves + 1, n_leaves)
-        draws, probs = _draws(q, vocab, sampler, 1 + extra, first_t + parent)
-        qs[parent] = q_full
-        if len(draws) > 1:
-            leaf_nodes.append((parent, list(zip(draws[1:], probs[1:], strict=True))))
-            n_leaves += len(draws) - 1
-        prob = probs[0]
-        tokens.append(draws[0])
-        parents.append(parent)
-        qs.append(None)
-        chain_probs.append(prob)
-        if tree is not None and tree.economy is not None:
-            path_prob *= tree.economy.chain.prob(prob)
-        if length.should_stop(len(chain_probs), prob) or draws[0] in stop or (until and until(tokens[1:])):
-            break
-    outcome = _with_leaves(tokens, parents, qs, chain_probs, leaf_nodes, sampler)
+    d = _Draft(root)
+    passes, done = 0, False
+    while len(d.chain_probs) < budget and not done:
+        room = min(budget - len(d.chain_probs), length.room(len(d.chain_probs))) - 1  # after the pass's first
+        guesses = _guesses(ride, d.tokens, tree, sampler, room)
+        ids = torch.tensor([d.tokens[-1], *guesses], dtype=torch.long, device=device)
+        logits, vocab = engine.forward(cache, ids, start + len(d.tokens) - 1, skip=skip, last_only=not guesses,
+                                       precision=precision, subset=True, draft=True, hidden_out=hidden)  # fmt: skip
+        passes += 1
+        states = hidden.pop() if hidden is not None and guesses else None  # [1, rows, H]: kept row by row
+        for row in range(len(ids)):  # row r's input: the chain's last token (r = 0), else the guess r - 1
+            if states is not None:
+                hidden.append(states[:, row : row + 1])
+            if broken_draft(logits[row]):
+                if not d.chain_probs:
+                    return None
+                done = True  # keep the chain drafted so far
+                break
+            q, ids_q, q_full = _draft_distribution(engine, logits[row : row + 1], vocab, sampler, history,
+                                                   d.tokens[1:])  # fmt: skip
+            extra = _leaf_count(q, tree, d.path_prob, len(d.tokens) + d.n_leaves + 1, d.n_leaves)
+            draws, probs = _draws(q, ids_q, sampler, 1 + extra, first_t + len(d.tokens) - 1)
+            d.add(draws, probs, q_full, tree)
+            if (length.should_stop(len(d.chain_probs), probs[0]) or draws[0] in stop
+                    or (until and until(d.tokens[1:])) or len(d.chain_probs) >= budget):  # fmt: skip
+                done = True
+                break
+            if row == len(guesses) or draws[0] != guesses[row]:
+                break  # the next row (if any) read a token the draft did not choose: a new pass from here
+    outcome = _with_leaves(d.tokens, d.parents, d.qs, d.chain_probs, d.leaf_nodes, sampler)
+    if passes != len(d.chain_probs):  # guessed rows drafted some of the tokens
+        outcome.passes = passes
     if hidden is not None:
-        _verify_by_head(engine, cache, start, outcome, hidden)
+        _verify_by_head(engine, cache, start, outcome, hidden, passes)
     return outcome
+
+
+@dataclass
+class _Draft:
+    """A round's draft as it grows: the chain (each token's parent the one before) and the leaves to add."""
+
+    root: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    qs: list = field(default_factory=list)  # per node: the draft distribution its children were drawn from
+    chain_probs: list[float] = field(default_factory=list)
+    leaf_nodes: list[tuple[int, list[tuple[int, float]]]] = field(default_factory=list)  # (chain node, extras)
+    n_leaves: int = 0
+    path_prob: float = 1.0  # P(the chain so far is kept), by the economy's calibration (1 without one)
+
+    def __post_init__(self) -> None:
+        self.tokens, self.parents, self.qs = [self.root], [-1], [None]
+
+    def add(self, draws: list[int], probs: list[float], q_full, tree: TreePolicy | None) -> None:
+        """The chain's next token (``draws[0]``) and its alternatives as leaves, drawn after the last one."""
+        parent = len(self.tokens) - 1
+        self.qs[parent] = q_full
+        if len(draws) > 1:
+            self.leaf_nodes.append((parent, list(zip(draws[1:], probs[1:], strict=True))))
+            self.n_leaves += len(draws) - 1
+        self.tokens.append(draws[0])
+        self.parents.append(parent)
+        self.qs.append(None)
+        self.chain_probs.append(probs[0])
+        if tree is not None and tree.economy is not None:
+            self.path_prob *= tree.economy.chain.prob(probs[0])
+
+
+def _guesses(ride: Callable[[list[int]], list[int]] | None, tokens: list[int], tree: TreePolicy | None,
+             sampler: Sampler, room: int) -> list[int]:  # fmt: skip
+    """The tokens to ride along on the next draft pass (see :func:`draft_round`): none for token trees (a pass's
+    rows are the chain's) or where acceptance weighs each draft by q (rejection sampling), at most ``room``."""
+    if ride is None or tree is not None or sampler.records_q or room < 1:
+        return []
+    return [int(t) for t in ride(tokens[1:])[:room]]
 
 
 def _with_leaves(tokens: list[int], parents: list[int], qs: list, chain_probs: list[float],
@@ -375,7 +425,7 @@ def _head_only_states(engine, skip: SkipSet, precision: torch.dtype | None, root
     return []
 
 
-def _verify_by_head(engine, cache, start: int, outcome: DraftOutcome, hidden: list) -> None:
+def _verify_by_head(engine, cache, start: int, outcome: DraftOutcome, hidden: list, passes: int) -> None:
     """One more step over the last drafted token (for its hidden state: no head of its own), then the full head
     over every node's hidden state: the round's full logits, as a verification pass would give them
     (``outcome.logits``); the time this took is the round's verification (``outcome.verify_s``)."""
@@ -385,7 +435,7 @@ def _verify_by_head(engine, cache, start: int, outcome: DraftOutcome, hidden: li
     engine.forward(cache, last, start + len(tokens) - 1, last_only=True, draft=True, hidden_out=hidden,
                    head=False)  # fmt: skip
     outcome.logits = engine.head_logits(hidden[: len(tokens)])
-    outcome.passes = len(tokens)
+    outcome.passes = passes + 1
     outcome.verify_s = clock.now() - t0
 
 
@@ -492,6 +542,7 @@ class Drafter:
         sampler: Sampler = GREEDY_SAMPLER,
         history: Sequence[int] = (),
         until: Callable[[list[int]], bool] | None = None,
+        ride: Callable[[list[int]], list[int]] | None = None,
     ) -> DraftOutcome | None:
         """One round's draft, or None when the length policy says this round is better spent without one."""
         if budget < 1 or not self.length.begin_round():
@@ -499,16 +550,16 @@ class Drafter:
         return draft_round(
             model.engine, cache, start, root, skip=skip, budget=budget, length=self.length, tree=self.tree,
             precision=self.torch_dtype(model), sampler=sampler, history=history, stop=model.eos_token_ids,
-            until=until,
+            until=until, ride=ride,
         )  # fmt: skip
 
     def propose(self, history, *, model, cache, skip: SkipSet | None, budget: int,
-                sampler: Sampler = GREEDY_SAMPLER,
-                until: Callable[[list[int]], bool] | None = None) -> DraftOutcome | None:  # fmt: skip
+                sampler: Sampler = GREEDY_SAMPLER, until: Callable[[list[int]], bool] | None = None,
+                ride: Callable[[list[int]], list[int]] | None = None) -> DraftOutcome | None:  # fmt: skip
         """The :class:`~selfspec.decoding.protocols.Drafter` entry: draft after ``history[-1]``, which sits at
-        the cache's committed length.  (A layer-skip draft reads the history through the cache; ``until``: see
-        :func:`draft_round`.)"""
-        return self.draft(model, cache, cache.length, history[-1], skip, budget, sampler, history, until)
+        the cache's committed length.  (A layer-skip draft reads the history through the cache; ``until`` and
+        ``ride``: see :func:`draft_round`.)"""
+        return self.draft(model, cache, cache.length, history[-1], skip, budget, sampler, history, until, ride)
 
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip

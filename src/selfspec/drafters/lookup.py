@@ -120,6 +120,19 @@ class PromptLookupDrafter:
         gain = self._gain(match[0], k)
         return gain, gain * self._costs.ratio(k + 1)
 
+    def guess(self, history: Sequence[int], extra: Sequence[int], most: int) -> tuple[list[int], list[float], int]:
+        """(up to ``most`` tokens that followed the longest n-gram ending ``history`` + ``extra`` before, each
+        one's chance of being kept, n) as :meth:`propose` last indexed ``history``; ([], [], 0) where nothing
+        matches.  Changes nothing (``auto``'s guesses riding along on a layer-skip chain's passes)."""
+        if len(self._history) != len(history) or most < 1:
+            return [], [], 0
+        match = self._match([*history[-self.sizes[-1] :], *extra])
+        if match is None:
+            return [], [], 0
+        n, start = match
+        tokens = [int(t) for t in history[start : start + most]]
+        return tokens, [min(self.acceptance(n), 0.99)] * len(tokens), n
+
     def observe(self, outcome: DraftOutcome | None, path: list[int], *, tokens: int, round_ms: float,
                 draft_ms: float, verify_ms: float) -> None:  # fmt: skip
         if self._costs is not None:

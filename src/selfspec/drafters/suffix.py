@@ -217,6 +217,25 @@ class SuffixDrafter:
         nodes, gain = self._select(n, kids, share, chain_only=False)
         return (gain, gain * self._costs.ratio(1 + len(nodes))) if nodes and self._costs is not None else (0.0, 0.0)
 
+    def guess(self, history: Sequence[int], extra: Sequence[int], most: int) -> tuple[list[int], list[float], int]:
+        """(the likeliest continuation, up to ``most`` tokens, of the longest n-gram ending ``history`` + ``extra``
+        in the text as :meth:`propose` last indexed it or in the store, each token's chance of being kept, n);
+        ([], [], 0) where nothing matches.  Changes nothing (``auto``'s guesses riding along on a layer-skip
+        chain's passes)."""
+        if len(self._text.tokens) != len(history) or most < 1:
+            return [], [], 0
+        match = self._match([*history[-self.sizes[-1] :], *extra], most)
+        if match is None:
+            return [], [], 0
+        n, conts = match
+        tokens, _, kids, share = _trie(conts)
+        a, node, path, chances = self.acceptance(n), 0, [], []
+        while kids[node] and len(path) < most:
+            node = max(kids[node], key=lambda c: share[c])
+            path.append(tokens[node])
+            chances.append(a * share[node])
+        return path, chances, n
+
     # -- internals ------------------------------------------------------------------------------
     def _match(self, text: Sequence[int], depth: int) -> tuple[int, list[list[int]]] | None:
         """The longest n-gram ending ``text`` with continuations (up to ``depth`` tokens) in the indexed text or

@@ -244,6 +244,11 @@ class DraftGate:
             return drafted >= min(self.length, self.inner.max_draft)
         return self.inner.should_stop(drafted, top1_prob)
 
+    def room(self, drafted: int) -> int:
+        if self.length is not None:
+            return min(self.length, self.inner.max_draft) - drafted
+        return self.inner.room(drafted)
+
     def observe(self, drafted: int, accepted: int) -> None:
         self.inner.observe(drafted, accepted)
 
