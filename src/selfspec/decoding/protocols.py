@@ -32,6 +32,7 @@ class DraftOutcome:
     leaf_probs: dict[int, float]  # node index -> draft probability, for the alternative leaves
     steps: int  # drafted tokens on the chain (= draft forward passes, unless ``passes`` says otherwise)
     passes: int | None = None  # draft forward passes, when one pass drafts several tokens (S3D)
+    ridden: int = 0  # chain tokens drafted from guessed rows (drafters/layerskip.py ``ride``): the passes they saved
     # the full model's logits of every tree node, when the draft passes were the full model's own one-token steps
     # and only the head remained to verify them (a draft that skips nothing: drafters/layerskip.py)
     logits: Any = None

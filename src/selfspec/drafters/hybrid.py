@@ -31,7 +31,10 @@ While the layer-skip source drafts, the lookup source's guesses of what follows 
 draft passes as extra rows (:func:`~selfspec.drafters.layerskip.draft_round`'s ``ride``): a guess the draft
 then drafts itself spares the chain a pass.  Each guess rides where its chance of being kept (the lookup's
 estimate for its n-gram size, corrected by how the guesses after that size have fared) pays for the row it
-adds to the pass (the cost profile's price of one more row).
+adds to the pass (the cost profile's price of one more row).  The passes the guesses saved count as run where
+the source's measured gain is updated: the guesses are the lookup source's text, and a chain that carried them
+through a copied passage would otherwise draw the next rounds from the lookup source's one verification pass
+(simulated, Gemma 3 translation: 2.31x without guesses, 2.06x counting their gain, 2.31x with this rule).
 
 So a source whose drafts stop being accepted loses its gain and fades out;
 one that starts paying again is noticed (the lookup source re-prices every
@@ -243,6 +246,8 @@ class HybridDrafter:
         # a vanilla step: not this round's verification, which a head-only round (drafters/layerskip.py)
         # makes inside its draft (draft_ms + verify_ms holds the whole round either way)
         econ = self.layerskip.economy
+        if source == "layerskip" and econ is not None and outcome.ridden:  # judged by its own chains: the passes
+            draft_ms += outcome.ridden * econ.draft_ms  # its guessed rows saved count as run (module docstring)
         if econ is not None and batch_share.current().members > 1:  # beside other requests: priced as a share
             gain = econ.batch_gain(tokens, draft_ms, verify_ms, len(outcome.tree))
         else:

@@ -353,7 +353,8 @@ def draft_round(
             if row == len(guesses) or draws[0] != guesses[row]:
                 break  # the next row (if any) read a token the draft did not choose: a new pass from here
     outcome = _with_leaves(d.tokens, d.parents, d.qs, d.chain_probs, d.leaf_nodes, sampler)
-    if passes != len(d.chain_probs):  # guessed rows drafted some of the tokens
+    outcome.ridden = len(d.chain_probs) - passes  # tokens guessed rows drafted (0 without: a pass per token)
+    if outcome.ridden:
         outcome.passes = passes
     if hidden is not None:
         _verify_by_head(engine, cache, start, outcome, hidden, passes)
