@@ -180,8 +180,9 @@ class S3DDrafter(Drafter):
 
     @torch.inference_mode()
     def draft(self, model, cache, start, root, skip, budget, sampler: Sampler = GREEDY_SAMPLER, history=(),
-              until=None):  # fmt: skip
-        """One pass drafts the whole block of mask tokens (``until``, a chain's early end, does not apply)."""
+              until=None, ride=None):  # fmt: skip
+        """One pass drafts the whole block of mask tokens (``until``, a chain's early end, and ``ride``, guessed
+        rows, do not apply)."""
         if budget < 1:
             return None
         s3d = self.adapter_for(model)
