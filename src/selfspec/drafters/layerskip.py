@@ -354,8 +354,7 @@ def draft_round(
                 break  # the next row (if any) read a token the draft did not choose: a new pass from here
     outcome = _with_leaves(d.tokens, d.parents, d.qs, d.chain_probs, d.leaf_nodes, sampler)
     outcome.ridden = len(d.chain_probs) - passes  # tokens guessed rows drafted (0 without: a pass per token)
-    if outcome.ridden:
-        outcome.passes = passes
+    outcome.passes = passes if outcome.ridden else None
     if hidden is not None:
         _verify_by_head(engine, cache, start, outcome, hidden, passes)
     return outcome
