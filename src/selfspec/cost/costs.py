@@ -165,13 +165,11 @@ class CostProfile:
         0.84).  ``last_only``: the head over the last row alone (a prompt's pass), where ``forward`` times a
         verification's head over every row: a 64-row pass of Qwen2.5-Coder 0.5B spends 40 of its 138 ms there."""
         ms = self.prompt(tokens) if last_only else self.forward(tokens)
-        if draft or skip.attention or skip.mlp or precision is not None:
+        reduced = bool(skip.attention or skip.mlp) or precision is not None  # reads fewer or narrower weights
+        if draft or reduced:
             name = next((n for n, d in PRECISIONS.items() if d == precision and n in self.drafts), "same")
             step = self.draft_step(skip, name)
-            if skip.attention or skip.mlp or precision is not None:
-                ms *= step / self.forward(1)
-            else:
-                ms += step - self.forward(1)
+            ms = ms * step / self.forward(1) if reduced else ms + step - self.forward(1)
         return ms
 
     def prompt(self, tokens: int) -> float:

@@ -241,7 +241,7 @@ class DraftGate:
 
     def should_stop(self, drafted: int, top1_prob: float) -> bool:
         if self.length is not None:
-            return drafted >= min(self.length, self.inner.max_draft)
+            return self.room(drafted) <= 0
         return self.inner.should_stop(drafted, top1_prob)
 
     def room(self, drafted: int) -> int:
