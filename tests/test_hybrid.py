@@ -74,6 +74,7 @@ def test_the_lookup_calibration_is_a_ratio_of_running_sums_not_a_mean_of_ratios(
 def test_the_measured_gain_of_layer_skip_rounds_decides_against_a_weak_lookup():
     lookup = PromptLookupDrafter(max_ngram=3)  # short matches only: a modest expected gain
     lookup._costs = VerifyCurve(FlatProfile(0.02))
+    lookup._drafted[3], lookup._accepted[3] = 100.0, 60.0  # measured at 60% (a fresh source is priced hopefully)
     drafted = DraftOutcome(DraftTree.chain(4, [1, 2, 3]), [0.9] * 3, {}, 3)
 
     class GoodSkipDrafts(DeclineToDraft):

@@ -8,7 +8,7 @@ import pytest
 
 from selfspec.core.sampling import GREEDY_SAMPLER
 from selfspec.cost.economy import VerifyCurve
-from selfspec.drafters.lookup import PromptLookupDrafter
+from selfspec.drafters.lookup import PromptLookupDrafter, smoothed_acceptance
 from selfspec.errors import InvalidInputError
 
 
@@ -58,7 +58,7 @@ def test_the_index_follows_a_growing_history_and_restarts_on_another():
 def test_a_copied_passage_is_matched_at_the_longest_size_and_earns_its_own_acceptance():
     """Sizes 1, 2, 3, 4, 6, 8, 12, 16: a passage being copied matches at 16 tokens, and what is learnt there
     (accepted drafts) lengthens the drafts of later 16-token matches, not of 1-token ones."""
-    d = drafter(slope=0.1)
+    d = drafter(slope=0.1, max_draft=16)
     assert d.sizes == (1, 2, 3, 4, 6, 8, 12, 16)
     passage = list(range(100, 140))
     history = [7, 8] + passage + [5, 6] + passage[:20]
@@ -95,3 +95,21 @@ def test_budget_and_options_are_respected():
         PromptLookupDrafter(min_ngram=3, max_ngram=2)
     with pytest.raises(InvalidInputError):
         PromptLookupDrafter(max_draft=0)
+
+
+def test_a_size_whose_first_drafts_failed_is_tried_again_until_the_evidence_is_clear():
+    """The drafts are chosen by the acceptance plus its uncertainty (smoothed_acceptance's optimism): one-token
+    matches that failed their first 4 drafts (estimate 0.15 from the prior 0.3) still earn a draft, where the
+    estimate alone would never draft them again and so never learn that they pay; after many failures the bonus
+    is gone and they are not drafted."""
+    slope = 0.14  # a one-token draft pays from acceptance (1 + 0.02) * 1.14 - 1 = 0.16 (MIN_GAIN)
+    d = drafter(slope=slope)
+    d._drafted[1] = 4.0  # 0 of 4 accepted
+    assert d.acceptance(1) == pytest.approx(0.15)
+    assert (1 + d.acceptance(1)) / (1 + slope) < 1.02  # deciding by the estimate: a size locked out
+    assert d._length(1) >= 1  # by the estimate and its uncertainty: drafted again
+    d._drafted[1] = 40.0  # 0 of 40
+    assert d._length(1) == 0
+    assert smoothed_acceptance(1, 0.0, 4.0, optimism=1.0) > smoothed_acceptance(1, 0.0, 4.0)
+    assert smoothed_acceptance(1, 12.0, 40.0, optimism=1.0) - smoothed_acceptance(1, 12.0, 40.0) < 0.1
+    assert smoothed_acceptance(16, 30.0, 30.0, optimism=0.0) == pytest.approx((30 + 4 * 0.7) / 34)

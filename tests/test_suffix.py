@@ -120,7 +120,7 @@ def test_drafts_that_are_always_rejected_are_priced_out_within_a_few_rounds():
     d = drafter(slope=0.1)  # each extra verified token costs a tenth of a step
     history = [1, 2, 3, 4] * 10  # every n-gram matches, with one continuation each
     sizes = []
-    for _ in range(30):
+    for _ in range(50):
         out = propose(d, history)
         sizes.append(0 if out is None else len(out.tree) - 1)
         if out is not None:
@@ -128,4 +128,6 @@ def test_drafts_that_are_always_rejected_are_priced_out_within_a_few_rounds():
             d.observe(out, [0], tokens=1, round_ms=ms, draft_ms=0.0, verify_ms=ms)  # the first token is wrong
     assert sizes[0] >= 3, "a fresh long match earns a long draft"
     assert sizes == sorted(sizes, reverse=True), "every rejection shortens the drafts (or keeps them)"
-    assert not any(sizes[20:]), "until nothing is drafted: even one token no longer pays its verification"
+    # until nothing is drafted: even one token no longer pays its verification, the estimate's uncertainty included
+    # (smoothed_acceptance's optimism: about 33 rejections where the estimate alone needed 20)
+    assert not any(sizes[40:])

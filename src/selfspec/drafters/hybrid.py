@@ -135,10 +135,13 @@ class HybridDrafter:
     def propose(self, history: Sequence[int], *, model, cache, skip, budget: int,
                 sampler: Sampler = GREEDY_SAMPLER) -> DraftOutcome | None:  # fmt: skip
         outcome = self.lookup.propose(history, model=model, cache=cache, skip=skip, budget=budget, sampler=sampler)
-        if outcome is not None and self.lookup.last_gain * self.lookup_calibration >= self.skip_gain:
+        sits_out = self.skip_gain < PAYS and self._idle < min(self._wait, EXPLORE_EVERY * MAX_BACKOFF)
+        # the lookup drafts where it beats the layer-skip source, and wherever that source sits out: its match
+        # then competes with a plain step, and its own pricing proposed it as paying more than one
+        if outcome is not None and (sits_out or self.lookup.last_gain * self.lookup_calibration >= self.skip_gain):
             self._source, self._predicted = "lookup", self.lookup.last_gain
             return outcome
-        if self.skip_gain < PAYS and self._idle < min(self._wait, EXPLORE_EVERY * MAX_BACKOFF):
+        if sits_out:
             self._idle += 1  # layer-skip rounds have been losing time
             self._source = None
             return None

@@ -35,7 +35,7 @@ from ..core.sampling import Sampler
 from ..decoding.protocols import DraftOutcome
 from ..decoding.trees import DraftTree, point_masses
 from ..errors import InvalidInputError
-from .lookup import MIN_GAIN, ngram_sizes, smoothed_acceptance
+from .lookup import MIN_GAIN, OPTIMISM, ngram_sizes, smoothed_acceptance
 
 MAX_OCCURRENCES = 16  # continuations gathered per source (current text, store) for one match: the latest ones
 STORE_TOKENS = 16384  # default bound of the session's store of earlier outputs
@@ -268,20 +268,21 @@ class SuffixDrafter:
         and below the cheapest extra verified token's cost (in one-token rounds) it cannot pay."""
         if self._costs is None:
             return depth
-        a, marginal = self.acceptance(n), self._costs.ratio(2) - 1.0
+        a, marginal = self.acceptance(n, OPTIMISM), self._costs.ratio(2) - 1.0
         if marginal <= 0.0 or a >= 0.99:
             return depth
         return max(1, min(depth, math.ceil(math.log(marginal) / math.log(a))))
 
-    def acceptance(self, n: int) -> float:
-        """Estimated chance that a continuation seen after every occurrence of an n-gram is accepted."""
-        return min(smoothed_acceptance(n, self._accepted[n], self._drafted[n]), 0.99)
+    def acceptance(self, n: int, optimism: float = 0.0) -> float:
+        """Estimated chance that a continuation seen after every occurrence of an n-gram is accepted (see
+        smoothed_acceptance: the drafts are chosen with ``OPTIMISM``)."""
+        return min(smoothed_acceptance(n, self._accepted[n], self._drafted[n], optimism), 0.99)
 
     def _select(self, n: int, kids: list[list[int]], share: list[float], *,
                 chain_only: bool) -> tuple[list[int], float]:  # fmt: skip
         """The trie's nodes to draft, most likely first (each after its parent), maximising expected tokens per
         unit of cost, and that ratio; no nodes where none beats plain decoding by ``MIN_GAIN``."""
-        a, costs = self.acceptance(n), self._costs
+        a, costs = self.acceptance(n, OPTIMISM), self._costs
         chance = [1.0] * len(kids)  # the chance of each node being accepted
         heap: list[tuple[float, int]] = []
 
