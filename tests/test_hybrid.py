@@ -93,6 +93,25 @@ def test_the_measured_gain_of_layer_skip_rounds_decides_against_a_weak_lookup():
     assert out is drafted and lookup.last_gain < hybrid.skip_gain
 
 
+def test_where_the_layer_skip_source_sits_out_the_lookup_drafts_whatever_its_calibration():
+    """A losing layer-skip source (gain below PAYS, waiting for its next exploring round) leaves a plain step as
+    the alternative: a lookup match its own pricing proposed drafts, even where its calibrated gain is below the
+    layer-skip source's measured one (before, the round was a plain step)."""
+    lookup = PromptLookupDrafter(max_ngram=3)
+    lookup._costs = VerifyCurve(FlatProfile(0.02))
+    layerskip = DeclineToDraft()
+    hybrid = HybridDrafter(lookup, layerskip)
+    hybrid.skip_gain, hybrid._idle, hybrid._wait = 1.03, 1, 16  # losing, not due to explore
+    hybrid.lookup_calibration = 0.25  # the lookup's rounds earned a quarter of their predictions
+    history = [1, 2, 3, 4] * 10
+    out = hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20, sampler=GREEDY_SAMPLER)
+    assert out is not None and hybrid._source == "lookup" and layerskip.calls == 0
+    assert lookup.last_gain * hybrid.lookup_calibration < hybrid.skip_gain
+    hybrid.skip_gain = 2.0  # a layer-skip source that pays takes the round from the weak match
+    hybrid.propose(history, model=SimpleNamespace(), cache=None, skip=None, budget=20, sampler=GREEDY_SAMPLER)
+    assert hybrid._source == "layerskip" and layerskip.calls == 1
+
+
 @pytest.mark.parametrize(
     "options", [{}, {"layerskip": "swift", "draft_dtype": "same", "schedule": "paper", "max_ngram": 2},
                 {"layerskip": "vocab"}]

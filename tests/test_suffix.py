@@ -9,6 +9,7 @@ from test_lookup import FlatProfile
 
 from selfspec.core.sampling import GREEDY_SAMPLER
 from selfspec.cost.economy import VerifyCurve
+from selfspec.drafters.lookup import OPTIMISM
 from selfspec.drafters.suffix import NgramIndex, SessionStore, SuffixDrafter
 from selfspec.errors import InvalidInputError
 
@@ -131,3 +132,17 @@ def test_drafts_that_are_always_rejected_are_priced_out_within_a_few_rounds():
     # until nothing is drafted: even one token no longer pays its verification, the estimate's uncertainty included
     # (smoothed_acceptance's optimism: about 33 rejections where the estimate alone needed 20)
     assert not any(sizes[40:])
+
+
+def test_a_size_that_failed_its_first_drafts_is_drafted_again_and_reports_its_expected_gain():
+    """The tree is chosen by the acceptance with its uncertainty (smoothed_acceptance's optimism), so one-token
+    matches that failed their first 4 drafts are drafted again, priced (last_gain) as the choice was made: the
+    estimate alone (0.15) would not pay for the second verified row."""
+    d = drafter(slope=0.14, max_ngram=1)
+    d._drafted[1] = 4.0  # 0 of 4 accepted: 0.15
+    out = propose(d, [5, 6, 7, 8, 5])
+    assert out is not None and out.tree.tokens[1:] == (6,)
+    assert d.last_gain == pytest.approx((1 + d.acceptance(1, OPTIMISM)) / 1.14)
+    assert (1 + d.acceptance(1)) / 1.14 < 1.02
+    d._drafted[1] = 40.0  # 0 of 40: the evidence is clear
+    assert propose(d, [5, 6, 7, 8, 5]) is None
