@@ -36,7 +36,7 @@ NGRAM_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # match lengths indexed (up to max_ngr
 PRIOR = {1: 0.3, 2: 0.5, 3: 0.6, 4: 0.6, 6: 0.65, 8: 0.65, 12: 0.7, 16: 0.7}  # acceptance before any is observed
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens
 MIN_GAIN = 1.02  # draft only where the expected tokens per unit cost beat plain decoding by this much
-# the drafters decide what to draft by the acceptance plus this many standard deviations of its uncertainty
+# where the acceptance alone drafts nothing, the drafters try it plus this many standard deviations of its uncertainty
 OPTIMISM = 1.0
 
 
@@ -53,7 +53,8 @@ def smoothed_acceptance(n: int, accepted: float, drafted: float, optimism: float
     ``PRIOR_WEIGHT`` drafted tokens (a size off the ladder, max_ngram=5, takes the prior of the next below).
 
     With ``optimism`` z: that estimate plus z standard deviations of its uncertainty (as a Beta posterior's,
-    sqrt(a (1 - a) / (weight + 1))), what the drafters decide by.  Deciding by the estimate alone locks a size out
+    sqrt(a (1 - a) / (weight + 1))), what the drafters price a draft by where the estimate alone would draft
+    nothing.  Deciding by the estimate alone locks a size out
     at its first unlucky drafts: it stops being drafted, so nothing corrects it (simulated, SmolLM2: one-token
     matches 0 of 4 early in a session, 0.15, never drafted again by ``auto``'s n-gram source, where ``suffix``
     alone measured 0.42 over the same prompts).  The bonus shrinks as drafts are observed, so a size that keeps
@@ -184,19 +185,32 @@ class PromptLookupDrafter:
         return smoothed_acceptance(n, self._accepted[n], self._drafted[n], optimism)
 
     def _gain(self, n: int, k: int) -> float:
-        """Expected tokens per vanilla step of a k-token draft after an n-gram match (1: break-even)."""
+        """Expected tokens per vanilla step of a k-token draft after an n-gram match (1: break-even), by the
+        acceptance the length was chosen with (:meth:`_optimism`)."""
         if self._costs is None:
             return float("inf")  # a fixed draft length: not priced
-        a = min(self.acceptance(n, OPTIMISM), 0.99)
+        return self._gain_at(self.acceptance(n, self._optimism(n)), k)
+
+    def _gain_at(self, a: float, k: int) -> float:
+        a = min(a, 0.99)
         return (1 - a ** (k + 1)) / (1 - a) / self._costs.ratio(k + 1)
 
     def _length(self, n: int) -> int:
         """The draft length that maximises expected tokens per unit of cost (0: drafting does not pay)."""
         if self.fixed is not None:
             return self.fixed
+        return self._best_length(self.acceptance(n, self._optimism(n)))
+
+    def _optimism(self, n: int) -> float:
+        """The acceptance's optimism a size's drafts are chosen with: none where the estimate alone drafts, else
+        ``OPTIMISM``, so that a size the estimate would never draft again is tried until the evidence is clear
+        (smoothed_acceptance)."""
+        return 0.0 if self._costs is None or self._best_length(self.acceptance(n)) else OPTIMISM
+
+    def _best_length(self, a: float) -> int:
         best_k, best = 0, MIN_GAIN
         for k in range(1, self.max_draft + 1):
-            gain = self._gain(n, k)
+            gain = self._gain_at(a, k)
             if gain > best:
                 best_k, best = k, gain
         return best_k

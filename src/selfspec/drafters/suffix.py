@@ -275,14 +275,23 @@ class SuffixDrafter:
 
     def acceptance(self, n: int, optimism: float = 0.0) -> float:
         """Estimated chance that a continuation seen after every occurrence of an n-gram is accepted (see
-        smoothed_acceptance: the drafts are chosen with ``OPTIMISM``)."""
+        smoothed_acceptance; :meth:`_select` adds ``OPTIMISM`` where the estimate alone drafts nothing)."""
         return min(smoothed_acceptance(n, self._accepted[n], self._drafted[n], optimism), 0.99)
 
     def _select(self, n: int, kids: list[list[int]], share: list[float], *,
                 chain_only: bool) -> tuple[list[int], float]:  # fmt: skip
         """The trie's nodes to draft, most likely first (each after its parent), maximising expected tokens per
-        unit of cost, and that ratio; no nodes where none beats plain decoding by ``MIN_GAIN``."""
-        a, costs = self.acceptance(n, OPTIMISM), self._costs
+        unit of cost, and that ratio; no nodes where none beats plain decoding by ``MIN_GAIN``.  Priced by the
+        size's acceptance, or where that drafts nothing by the acceptance with ``OPTIMISM``, so that a size the
+        estimate would never draft again is tried until the evidence is clear (smoothed_acceptance)."""
+        nodes, gain = self._select_at(self.acceptance(n), kids, share, chain_only)
+        if nodes:
+            return nodes, gain
+        return self._select_at(self.acceptance(n, OPTIMISM), kids, share, chain_only)
+
+    def _select_at(self, a: float, kids: list[list[int]], share: list[float],
+                   chain_only: bool) -> tuple[list[int], float]:  # fmt: skip
+        costs = self._costs
         chance = [1.0] * len(kids)  # the chance of each node being accepted
         heap: list[tuple[float, int]] = []
 
