@@ -54,8 +54,8 @@ def smoothed_acceptance(n: int, accepted: float, drafted: float, optimism: float
 
     With ``optimism`` z: that estimate plus z standard deviations of its uncertainty (as a Beta posterior's,
     sqrt(a (1 - a) / (weight + 1))), what the drafters price a draft by where the estimate alone would draft
-    nothing.  Deciding by the estimate alone locks a size out
-    at its first unlucky drafts: it stops being drafted, so nothing corrects it (simulated, SmolLM2: one-token
+    nothing.  Deciding by the estimate alone locks a size out at its first unlucky drafts: it stops being
+    drafted, so nothing corrects it (simulated, SmolLM2: one-token
     matches 0 of 4 early in a session, 0.15, never drafted again by ``auto``'s n-gram source, where ``suffix``
     alone measured 0.42 over the same prompts).  The bonus shrinks as drafts are observed, so a size that keeps
     failing is tried less and less often."""
@@ -109,10 +109,11 @@ class PromptLookupDrafter:
         if match is None:
             return None
         n, start = match
-        k = min(self._length(n), budget, len(history) - start)
+        best, a = self._choice(n)
+        k = min(best, budget, len(history) - start)
         if k < 1:
             return None
-        self.last_gain = self._gain(n, k)
+        self.last_gain = self._gain_at(a, k)
         draft = list(history[start : start + k])
         self._last_n = n
         q = point_masses(draft, model) if sampler.records_q else None
@@ -127,10 +128,11 @@ class PromptLookupDrafter:
         if not extra or len(self._history) != len(history) or self._costs is None:
             return 0.0, 0.0
         match = self._match([*history[-self.sizes[-1] :], *extra])
-        k = min(self._length(match[0]), len(history) - match[1]) if match is not None else 0
+        best, a = self._choice(match[0]) if match is not None else (0, 0.0)
+        k = min(best, len(history) - match[1]) if match is not None else 0
         if k < 1:
             return 0.0, 0.0
-        gain = self._gain(match[0], k)
+        gain = self._gain_at(a, k)
         return gain, gain * self._costs.ratio(k + 1)
 
     def guess(self, history: Sequence[int], extra: Sequence[int], most: int) -> tuple[list[int], list[float], int]:
@@ -184,28 +186,30 @@ class PromptLookupDrafter:
         """Estimated chance that a token drafted after an n-gram match is accepted (see smoothed_acceptance)."""
         return smoothed_acceptance(n, self._accepted[n], self._drafted[n], optimism)
 
-    def _gain(self, n: int, k: int) -> float:
-        """Expected tokens per vanilla step of a k-token draft after an n-gram match (1: break-even), by the
-        acceptance the length was chosen with (:meth:`_optimism`)."""
+    def _gain_at(self, a: float, k: int) -> float:
+        """Expected tokens per vanilla step of a k-token draft whose tokens are each accepted with chance a (1:
+        break-even)."""
         if self._costs is None:
             return float("inf")  # a fixed draft length: not priced
-        return self._gain_at(self.acceptance(n, self._optimism(n)), k)
-
-    def _gain_at(self, a: float, k: int) -> float:
         a = min(a, 0.99)
         return (1 - a ** (k + 1)) / (1 - a) / self._costs.ratio(k + 1)
 
     def _length(self, n: int) -> int:
         """The draft length that maximises expected tokens per unit of cost (0: drafting does not pay)."""
-        if self.fixed is not None:
-            return self.fixed
-        return self._best_length(self.acceptance(n, self._optimism(n)))
+        return self._choice(n)[0]
 
-    def _optimism(self, n: int) -> float:
-        """The acceptance's optimism a size's drafts are chosen with: none where the estimate alone drafts, else
-        ``OPTIMISM``, so that a size the estimate would never draft again is tried until the evidence is clear
-        (smoothed_acceptance)."""
-        return 0.0 if self._costs is None or self._best_length(self.acceptance(n)) else OPTIMISM
+    def _choice(self, n: int) -> tuple[int, float]:
+        """(the draft length after an n-gram match of size n, the acceptance it was priced with): by the size's
+        estimate, or where that drafts nothing by the estimate with ``OPTIMISM``, so that a size the estimate would
+        never draft again is tried until the evidence is clear (smoothed_acceptance)."""
+        a = self.acceptance(n)
+        if self.fixed is not None:
+            return self.fixed, a
+        k = self._best_length(a)
+        if k or self._costs is None:
+            return k, a
+        a = self.acceptance(n, OPTIMISM)
+        return self._best_length(a), a
 
     def _best_length(self, a: float) -> int:
         best_k, best = 0, MIN_GAIN
