@@ -55,10 +55,9 @@ def smoothed_acceptance(n: int, accepted: float, drafted: float, optimism: float
     With ``optimism`` z: that estimate plus z standard deviations of its uncertainty (as a Beta posterior's,
     sqrt(a (1 - a) / (weight + 1))), what the drafters price a draft by where the estimate alone would draft
     nothing.  Deciding by the estimate alone locks a size out at its first unlucky drafts: it stops being
-    drafted, so nothing corrects it (simulated, SmolLM2: one-token
-    matches 0 of 4 early in a session, 0.15, never drafted again by ``auto``'s n-gram source, where ``suffix``
-    alone measured 0.42 over the same prompts).  The bonus shrinks as drafts are observed, so a size that keeps
-    failing is tried less and less often."""
+    drafted, so nothing corrects it (simulated, SmolLM2: one-token matches 0 of 4 early in a session, 0.15, never
+    drafted again by ``auto``'s n-gram source, where ``suffix`` alone measured 0.42 over the same prompts).  The
+    bonus shrinks as drafts are observed, so a size that keeps failing is tried less and less often."""
     prior = PRIOR[max(k for k in PRIOR if k <= n)]
     weight = drafted + PRIOR_WEIGHT
     a = (accepted + PRIOR_WEIGHT * prior) / weight
@@ -128,8 +127,10 @@ class PromptLookupDrafter:
         if not extra or len(self._history) != len(history) or self._costs is None:
             return 0.0, 0.0
         match = self._match([*history[-self.sizes[-1] :], *extra])
-        best, a = self._choice(match[0]) if match is not None else (0, 0.0)
-        k = min(best, len(history) - match[1]) if match is not None else 0
+        if match is None:
+            return 0.0, 0.0
+        best, a = self._choice(match[0])
+        k = min(best, len(history) - match[1])
         if k < 1:
             return 0.0, 0.0
         gain = self._gain_at(a, k)
